@@ -1,0 +1,5 @@
+"""Generic callbacks (the YAML presets in the top-level ``callbacks/`` folder configure these and Lightning's)."""
+
+from lowrank_lit.callbacks.config import RunConfigCallback
+
+__all__ = ["RunConfigCallback"]

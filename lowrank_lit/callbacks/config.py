@@ -1,0 +1,38 @@
+"""Save the resolved run config to the run directory and log it, nested, to the trackers once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import yaml
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+__all__ = ["RunConfigCallback", "WANDB_CONFIG_FILE"]
+
+#: name of the resolved config among a W&B run's files
+WANDB_CONFIG_FILE = "lowrank_config.yaml"
+
+
+class RunConfigCallback(SaveConfigCallback):
+    """:class:`~lightning.pytorch.cli.SaveConfigCallback` that also logs the config to trackers.
+
+    ``config.yaml`` is written to the run directory (rank 0). Every logger other than the CSV
+    logger (which already sits next to ``config.yaml``) receives the whole config once, as a
+    nested mapping, through ``log_hyperparams``; W&B additionally stores ``config.yaml`` as the
+    run file ``lowrank_config.yaml``. Modules call ``save_hyperparameters(logger=False)`` so that nothing is logged twice.
+    """
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        config_path = os.path.join(trainer.log_dir or trainer.default_root_dir, self.config_filename)
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                continue
+            logger.log_hyperparams(config)
+            if isinstance(logger, WandbLogger) and os.path.isfile(config_path):
+                # files in the run's files/ folder are uploaded (now, or by `wandb sync`); W&B keeps its
+                # own files/config.yaml, hence the other name
+                shutil.copyfile(config_path, os.path.join(logger.experiment.dir, WANDB_CONFIG_FILE))

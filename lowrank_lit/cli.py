@@ -1,0 +1,322 @@
+"""``lowrank``: the command line of lowrank_lit.
+
+Training subcommands are Lightning's own (:class:`LowrankCLI` is a ``LightningCLI`` in subclass
+mode for both model and data)::
+
+    lowrank fit --config configs/baseline/mlp_digits.yaml [--config callbacks/wandb.yaml] [--model.init_args.lr=...]
+    lowrank validate|test|predict --config ... [--ckpt_path ...]
+    lowrank fit --config configs/baseline/mlp_digits.yaml --print_config
+
+and a few of ours, which do not import Lightning until they need it::
+
+    lowrank list                       registered methods, their kind, paper and configs
+
+Every run writes to ``<run_root>/<experiment>/<run_id>/`` (see :mod:`lowrank_lit.launch.run_dir`):
+the resolved ``config.yaml``, CSV metrics, checkpoints and, with ``callbacks/wandb.yaml``, the
+W&B files (offline unless an API key is configured or ``WANDB_MODE=online``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import netrc
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+__all__ = ["LowrankCLI", "main", "wandb_online_allowed", "experiment_from_configs"]
+
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+_TOP_HELP = """\
+usage: lowrank <command> [options]
+
+Lightning commands (LightningCLI; `lowrank <command> --help` lists every option):
+  fit        train a model:   lowrank fit --config configs/baseline/mlp_digits.yaml
+  validate   run the validation loop on a checkpoint (--ckpt_path)
+  test       run the test loop (--ckpt_path)
+  predict    run prediction (--ckpt_path)
+
+lowrank_lit commands:
+  list       show the registered methods, their kind, paper and configs
+
+Compose configs with repeated --config (later files win), e.g. a preset from callbacks/:
+  lowrank fit --config configs/baseline/mlp_digits.yaml --config callbacks/wandb.yaml
+Override single keys with dotted flags: --trainer.max_epochs=5 --model.init_args.num_classes=10
+Runs are written to runs/<experiment>/<run_id>/ (--run_root, --experiment, --run_id).
+"""
+
+
+# --------------------------------------------------------------------------- W&B helpers
+def wandb_online_allowed(environ: dict[str, str] | None = None) -> bool:
+    """Whether W&B may go online: ``WANDB_MODE=online``, or an API key with no offline mode set.
+
+    The key is looked up in ``WANDB_API_KEY`` and in ``~/.netrc`` (what ``wandb login`` writes) for
+    the host of ``WANDB_BASE_URL`` (default ``api.wandb.ai``). Nothing here touches the network.
+    """
+    env = os.environ if environ is None else environ
+    mode = env.get("WANDB_MODE", "").strip().lower()
+    if mode == "online":
+        return True
+    if mode in ("offline", "dryrun", "disabled"):
+        return False
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    netrc_path = env.get("NETRC") or os.path.join(env.get("HOME", os.path.expanduser("~")), ".netrc")
+    try:
+        return netrc.netrc(netrc_path).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def experiment_from_configs(config_paths: Sequence[Any] | None) -> str:
+    """Experiment name from the ``--config`` files: ``configs/baseline/mlp_digits.yaml`` -> ``baseline/mlp_digits``.
+
+    The first file under a ``configs/`` folder that is not a ``base/`` or ``debug/`` fragment wins;
+    otherwise the stem of the first file; with no file at all, ``default``.
+    """
+    paths = [Path(str(getattr(p, "relative", p))) for p in (config_paths or [])]
+    for p in paths:
+        parts = p.with_suffix("").parts
+        if "configs" in parts:
+            rel = parts[len(parts) - 1 - parts[::-1].index("configs") + 1 :]
+            if rel and rel[0] not in ("base", "debug"):
+                return "/".join(rel)
+    return paths[0].stem if paths else "default"
+
+
+# --------------------------------------------------------------------------- LightningCLI
+class ConfigError(Exception):
+    """A config value was accepted by the parser but rejected by the class it configures."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
+def _build_cli_class() -> type:
+    """Define :class:`LowrankCLI` lazily so ``lowrank list``/``--help`` never import Lightning."""
+    import lightning.pytorch as pl
+    from jsonargparse import Namespace
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from lowrank_lit.callbacks.config import RunConfigCallback
+    from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir
+
+    def _import(class_path: str) -> type:
+        module, _, name = class_path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    class LowrankCLI(LightningCLI):
+        """LightningCLI with run directories, CSV + optional W&B logging and config logging.
+
+        Model and data are given by ``class_path`` (subclass mode). The module owns its optimizer
+        (``auto_configure_optimizers=False``): pass it as ``model.init_args.optimizer``.
+        After parsing, the run directory ``<run_root>/<experiment>/<run_id>`` is created and
+        ``trainer.default_root_dir``, the CSV logger and any W&B logger are pointed at it.
+        """
+
+        run_dir: RunDir | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("subclass_mode_model", True)
+            kwargs.setdefault("subclass_mode_data", True)
+            kwargs.setdefault("auto_configure_optimizers", False)
+            kwargs.setdefault("save_config_callback", RunConfigCallback)
+            # a directory is only re-entered by the same SLURM job or an explicit --run_id
+            kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+            kwargs.setdefault("parser_kwargs", {"exit_on_error": False})
+            super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.add_argument(
+                "--experiment",
+                type=str | None,
+                default=None,
+                help="Experiment name, the folder under run_root (default: derived from the first --config, "
+                "configs/baseline/mlp_digits.yaml -> baseline/mlp_digits).",
+            )
+            parser.add_argument("--run_root", type=str, default="runs", help="Folder holding all run directories.")
+            parser.add_argument(
+                "--run_id",
+                type=str | None,
+                default=None,
+                help="Re-enter this run directory (resume). Default: the SLURM job id, else a new unique id.",
+            )
+
+        def before_instantiate_classes(self) -> None:
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
+            run_dir = resolve_run_dir(cfg.run_root, experiment, cfg.run_id)
+            os.environ[ENV_RUN_DIR] = str(run_dir.path)  # inherited by DDP worker processes
+            self.run_dir = run_dir
+            cfg.experiment = experiment
+            cfg.trainer.default_root_dir = str(run_dir.path)
+            cfg.trainer.logger = self._loggers(cfg.trainer.get("logger"), run_dir)
+            cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg.trainer)
+
+        @staticmethod
+        def _callbacks(value: Any, trainer_cfg: Namespace) -> list:
+            """Every run keeps ``checkpoints/last.ckpt`` (resumable) unless a ModelCheckpoint is configured."""
+            entries = [] if value is None else list(value) if isinstance(value, list) else [value]
+            has_ckpt = any(issubclass(_import(e.class_path), ModelCheckpoint) for e in entries)
+            if not has_ckpt and trainer_cfg.get("enable_checkpointing") is not False:
+                entries.append(
+                    Namespace(
+                        class_path="lightning.pytorch.callbacks.ModelCheckpoint",
+                        init_args=Namespace(save_last=True, save_top_k=0),
+                    )
+                )
+            return entries
+
+        def instantiate_classes(self) -> None:
+            """Build model, data and trainer; a bad argument becomes a one-line :class:`ConfigError`.
+
+            A run directory created for this run is removed again when nothing could be built.
+            """
+            try:
+                super().instantiate_classes()
+            except Exception as exc:
+                run_dir = self.run_dir
+                if run_dir is not None and not run_dir.resumed and not any(run_dir.path.iterdir()):
+                    run_dir.path.rmdir()
+                root = exc
+                while root.__cause__ is not None:
+                    root = root.__cause__
+                if isinstance(root, (ValueError, TypeError, ImportError, AttributeError)):
+                    raise ConfigError(f"{type(root).__name__}: {_first_line(root)}") from exc
+                raise
+
+        def _loggers(self, value: Any, run_dir: RunDir) -> Any:
+            if value is False:  # logging explicitly switched off
+                return False
+            entries = [] if value in (None, True) else list(value) if isinstance(value, list) else [value]
+            csv = [e for e in entries if issubclass(_import(e.class_path), CSVLogger)]
+            if not csv:
+                csv = [Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace())]
+            others = [e for e in entries if e not in csv]
+            # CSV first: trainer.log_dir (config.yaml) and checkpoints/ then live in the run directory itself
+            csv[0].init_args.update(Namespace(save_dir=str(run_dir.path), name="", version=""))
+            for entry in others:
+                if issubclass(_import(entry.class_path), WandbLogger):
+                    self._configure_wandb(entry.init_args, run_dir)
+            return [csv[0], *others]
+
+        @staticmethod
+        def _configure_wandb(args: Namespace, run_dir: RunDir) -> None:
+            args.save_dir = str(run_dir.path)
+            if os.environ.get("WANDB_MODE", "").lower() != "disabled":
+                args.offline = bool(args.get("offline")) or not wandb_online_allowed()
+            args.id = args.get("id") or run_dir.wandb_id
+            args.name = args.get("name") or f"{run_dir.experiment}/{run_dir.run_id}"
+            args.group = args.get("group") or run_dir.experiment
+            args.resume = args.get("resume") or "allow"  # a requeued SLURM job continues the same W&B run
+            if args.get("project") in (None, "lightning_logs"):
+                args.project = "lowrank_lit"
+
+    return LowrankCLI
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LowrankCLI":
+        cls = _build_cli_class()
+        globals()["LowrankCLI"] = cls
+        return cls
+    raise AttributeError(name)
+
+
+# --------------------------------------------------------------------------- our commands
+def cmd_list(argv: Sequence[str]) -> int:
+    """``lowrank list``: one row per registered method."""
+    import argparse
+
+    from lowrank_lit import registry
+
+    parser = argparse.ArgumentParser(prog="lowrank list", description="List the registered methods.")
+    parser.parse_args(list(argv))
+    registry.load_all()
+    methods = registry.registered_methods()
+    if not methods:
+        print("no methods registered")
+        return 0
+    rows = [("slug", "kind", "paper", "configs")]
+    rows += [(m.slug, m.kind, m.paper, ", ".join(m.configs()) or "-") for m in methods]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"list": cmd_list}
+
+
+# --------------------------------------------------------------------------- errors
+_KEY_RE = re.compile(r'Parser key "([^"]+)"')
+_CLASS_RE = re.compile(r"Problem with given class_path '([^']+)'")
+_OPTION_RE = re.compile(r"Option '([^']+)' is not accepted")
+_EXPECTED_RE = re.compile(r"Expected an? <class '([^']+)'>")
+_GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
+
+
+def _one_line_error(exc: BaseException) -> str:
+    """Condense a nested jsonargparse error into one line naming the full config key.
+
+    ``Parser key "model": ... class_path 'X': Option 'bogus' is not accepted`` becomes
+    ``unknown key 'model.init_args.bogus' (not an argument of X)``; a type error becomes
+    ``trainer.max_epochs: expected int, got 'abc'``. Anything else keeps its first line.
+    """
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    key_parts: list[str] = []
+    cls = None
+    for ln in lines:
+        if m := _KEY_RE.search(ln):
+            key_parts.append(m.group(1))
+        if m := _CLASS_RE.search(ln):
+            cls = m.group(1)
+        if m := _OPTION_RE.search(ln):
+            key = ".init_args.".join([*key_parts, m.group(1)])
+            owner = f" (not an argument of {cls})" if cls else ""
+            return f"unknown key {key!r}{owner}"
+    if key_parts and (m := _EXPECTED_RE.search(text)):
+        got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
+        got_text = f", got {got!r}" if got is not None else ""
+        return f"{'.init_args.'.join(key_parts)}: expected {m.group(1)}{got_text}"
+    return lines[0]
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """Entry point of ``lowrank`` and ``python -m lowrank_lit``; returns the exit status."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_TOP_HELP, end="")
+        return 0
+    if argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    if argv[0] not in LIGHTNING_COMMANDS:
+        print(
+            f"lowrank: error: unknown command {argv[0]!r}; choose from {', '.join((*LIGHTNING_COMMANDS, *COMMANDS))}",
+            file=sys.stderr,
+        )
+        return 2
+    from jsonargparse import ArgumentError
+
+    try:
+        # args=None lets LightningCLI read sys.argv itself (it warns when both are given)
+        __getattr__("LowrankCLI")(args=None if args is None else argv)
+    except ArgumentError as exc:
+        print(f"lowrank {argv[0]}: error: {_one_line_error(exc)}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"lowrank {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,6 @@
+"""LightningDataModules shared by all methods."""
+
+from lowrank_lit.data.digits import DigitsDataModule
+from lowrank_lit.data.tensor import TensorDataModule
+
+__all__ = ["DigitsDataModule", "TensorDataModule"]

@@ -1,0 +1,1 @@
+"""Run directories, offline sweeps and SLURM submission (they sit on top of the CLI)."""

@@ -1,0 +1,1 @@
+"""Shared layers used by several methods (LoRA, prompts, low-rank linear, ...)."""

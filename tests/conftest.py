@@ -1,0 +1,21 @@
+import os
+
+import pytest
+
+# never reach a hub or the W&B server from tests
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture
+def run_root(tmp_path):
+    """A fresh runs/ folder per test."""
+    return tmp_path / "runs"
+
+
+@pytest.fixture(autouse=True)
+def _isolate_env(monkeypatch):
+    """Each test starts without an inherited run directory or SLURM job."""
+    for key in list(os.environ):
+        if key.startswith("SLURM_") or key in ("LOWRANK_RUN_DIR", "LOCAL_RANK"):
+            monkeypatch.delenv(key, raising=False)

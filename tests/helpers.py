@@ -1,0 +1,70 @@
+"""Shared test helpers: paths, an in-process CLI runner and a recording logger."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+PRESETS = ROOT / "callbacks"
+MLP_CONFIG = CONFIGS / "baseline" / "mlp_digits.yaml"
+FRAGMENT_DIRS = ("base", "debug")
+
+
+def experiment_configs() -> list[Path]:
+    """Every runnable config under configs/ (fragments in base/ and debug/ excluded)."""
+    return sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] not in FRAGMENT_DIRS)
+
+
+def run_cli(*args: Any, run_root: Path) -> int:
+    """Run ``lowrank <args>`` in this process with runs written under ``run_root``."""
+    from lowrank_lit.cli import main
+
+    return main([str(a) for a in args] + ["--run_root", str(run_root)])
+
+
+def run_dirs(run_root: Path) -> list[Path]:
+    """Run directories (``<run_root>/<experiment...>/<run_id>``) that hold a config.yaml."""
+    return sorted(p.parent for p in run_root.rglob("config.yaml") if "wandb" not in p.parts)
+
+
+class RecordingLogger(Logger):
+    """A real Lightning logger that writes every ``log_hyperparams`` call to ``<save_dir>/hparams_calls.json``.
+
+    Args:
+        save_dir: where the record goes.
+    """
+
+    def __init__(self, save_dir: str = ".") -> None:
+        super().__init__()
+        self._save_dir = save_dir
+        self.calls: list[Any] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(params if isinstance(params, dict) else dict(vars(params)))
+        os.makedirs(self._save_dir, exist_ok=True)
+        with open(os.path.join(self._save_dir, "hparams_calls.json"), "w") as f:
+            json.dump(self.calls, f, default=str)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
