@@ -42,7 +42,7 @@ Lightning commands (LightningCLI; `lowrank <command> --help` lists every option)
   predict    run prediction (--ckpt_path)
 
 lowrank_lit commands:
-  list       show the registered methods, their kind, paper and configs
+  list       show the registered methods, their kind, paper and configs (--markdown: README table)
 
 Compose configs with repeated --config (later files win), e.g. a preset from callbacks/:
   lowrank fit --config configs/baseline/mlp_digits.yaml --config callbacks/wandb.yaml
@@ -233,14 +233,30 @@ def __getattr__(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------- our commands
+def methods_markdown() -> str:
+    """The README's method table, generated from the registry."""
+    from lowrank_lit import registry
+
+    registry.load_all()
+    rows = ["| slug | kind | paper | configs |", "|---|---|---|---|"]
+    for m in registry.registered_methods():
+        configs = "<br>".join(f"`{c}`" for c in m.configs()) or "-"
+        rows.append(f"| `{m.slug}` | {m.kind} | {m.paper} | {configs} |")
+    return "\n".join(rows) + "\n"
+
+
 def cmd_list(argv: Sequence[str]) -> int:
-    """``lowrank list``: one row per registered method."""
+    """``lowrank list [--markdown]``: one row per registered method."""
     import argparse
 
     from lowrank_lit import registry
 
     parser = argparse.ArgumentParser(prog="lowrank list", description="List the registered methods.")
-    parser.parse_args(list(argv))
+    parser.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    opts = parser.parse_args(list(argv))
+    if opts.markdown:
+        print(methods_markdown(), end="")
+        return 0
     registry.load_all()
     methods = registry.registered_methods()
     if not methods:

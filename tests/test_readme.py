@@ -1,0 +1,40 @@
+"""The README stays true: method table from the registry, Quickstart commands, CI reads them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from tests.helpers import ROOT
+
+README = (ROOT / "README.md").read_text()
+
+
+def _block_after(marker: str) -> str:
+    m = re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)\n```", README, re.S)
+    assert m, f"no ```bash block after <!-- {marker} -->"
+    return m.group(1).strip()
+
+
+def test_method_table_matches_registry():
+    from lowrank_lit.cli import methods_markdown
+
+    table = README.split("<!-- methods:begin -->\n")[1].split("<!-- methods:end -->")[0]
+    assert table == methods_markdown(), "README method table is stale: run `lowrank list --markdown`"
+
+
+def test_quickstart_has_two_single_line_commands():
+    main, test = _block_after("quickstart:main"), _block_after("quickstart:test")
+    for cmd in (main, test):
+        assert "\n" not in cmd and 'pip install -e ".[dev]"' in cmd
+    assert main.endswith("lowrank fit --config configs/baseline/vit_tiny_digits.yaml")
+    assert (ROOT / "configs/baseline/vit_tiny_digits.yaml").is_file()
+    assert "pytest" in test
+
+
+def test_ci_runs_the_readme_test_command():
+    script = ROOT / ".ci" / "run"
+    awk = re.search(r"cmd=\$\((awk .*?README\.md)\)", script.read_text())
+    assert awk, ".ci/run no longer extracts the README command"
+    out = subprocess.run(["bash", "-c", awk.group(1)], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == _block_after("quickstart:test")
