@@ -43,6 +43,8 @@ Lightning commands (LightningCLI; `lowrank <command> --help` lists every option)
 
 lowrank_lit commands:
   list       show the registered methods, their kind, paper and configs (--markdown: README table)
+  sweep      run a W&B sweep file offline with optuna: lowrank sweep sweeps/<slug>.yaml [--n-trials N]
+  submit     write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4
 
 Compose configs with repeated --config (later files win), e.g. a preset from callbacks/:
   lowrank fit --config configs/baseline/mlp_digits.yaml --config callbacks/wandb.yaml
@@ -108,7 +110,8 @@ def _build_cli_class() -> type:
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
     from lowrank_lit.callbacks.config import RunConfigCallback
-    from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir
+    from lowrank_lit.callbacks.rng import RNGStateCheckpoint
+    from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir, slurm_run_id
 
     def _import(class_path: str) -> type:
         module, _, name = class_path.rpartition(".")
@@ -133,6 +136,8 @@ def _build_cli_class() -> type:
             # a directory is only re-entered by the same SLURM job or an explicit --run_id
             kwargs.setdefault("save_config_kwargs", {"overwrite": True})
             kwargs.setdefault("parser_kwargs", {"exit_on_error": False})
+            # RNG states travel with every checkpoint, so resuming is exact (added to every run)
+            kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint()]})
             super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
 
         def add_arguments_to_parser(self, parser: Any) -> None:
@@ -150,6 +155,17 @@ def _build_cli_class() -> type:
                 default=None,
                 help="Re-enter this run directory (resume). Default: the SLURM job id, else a new unique id.",
             )
+            parser.add_argument(
+                "--test_after_fit",
+                type=bool,
+                default=False,
+                help="After `fit`, run the test loop on the final weights (metrics land in the same run).",
+            )
+
+        def after_fit(self) -> None:
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            if cfg.get("test_after_fit") and not self.trainer.interrupted:
+                self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
 
         def before_instantiate_classes(self) -> None:
             cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -161,6 +177,30 @@ def _build_cli_class() -> type:
             cfg.trainer.default_root_dir = str(run_dir.path)
             cfg.trainer.logger = self._loggers(cfg.trainer.get("logger"), run_dir)
             cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg.trainer)
+            if self.subcommand == "fit" and run_dir.resumed:
+                self._resume_point(cfg, run_dir)
+
+        @staticmethod
+        def _resume_point(cfg: Namespace, run_dir: RunDir) -> None:
+            """Re-entering a run directory never restarts training over its checkpoints.
+
+            A requeued SLURM job resumes from Lightning's ``hpc_ckpt_*.ckpt`` (ckpt_path stays None)
+            or, when there is none, from ``checkpoints/last.ckpt``. Re-entering with ``--run_id`` needs
+            an explicit ``--ckpt_path`` once the run has checkpoints.
+            """
+            if cfg.get("ckpt_path") is not None:
+                return
+            ckpts = run_dir.path / "checkpoints"
+            has_ckpts = ckpts.is_dir() and any(ckpts.glob("*.ckpt"))
+            if slurm_run_id() == run_dir.run_id and not cfg.get("run_id"):
+                if not any(run_dir.path.glob("hpc_ckpt_*.ckpt")) and (ckpts / "last.ckpt").is_file():
+                    cfg.ckpt_path = "last"
+                return
+            if has_ckpts:
+                raise ConfigError(
+                    f"run directory {run_dir.path} already has checkpoints; pass --ckpt_path last to resume it "
+                    "or drop --run_id to start a new run"
+                )
 
         @staticmethod
         def _callbacks(value: Any, trainer_cfg: Namespace) -> list:
@@ -216,12 +256,38 @@ def _build_cli_class() -> type:
                 args.offline = bool(args.get("offline")) or not wandb_online_allowed()
             args.id = args.get("id") or run_dir.wandb_id
             args.name = args.get("name") or f"{run_dir.experiment}/{run_dir.run_id}"
-            args.group = args.get("group") or run_dir.experiment
+            args.group = args.get("group") or os.environ.get("WANDB_RUN_GROUP") or run_dir.experiment
             args.resume = args.get("resume") or "allow"  # a requeued SLURM job continues the same W&B run
             if args.get("project") in (None, "lightning_logs"):
                 args.project = "lowrank_lit"
 
     return LowrankCLI
+
+
+class _ParserReady(Exception):
+    def __init__(self, cli: Any) -> None:
+        self.cli = cli
+
+
+def build_parser(subcommand: str = "fit") -> Any:
+    """The real ``lowrank <subcommand>`` argument parser, without parsing or instantiating anything.
+
+    ``build_parser("fit").parse_args(["--config", "x.yaml", "--model.init_args.lr=0.1"])`` checks a
+    command line exactly as ``lowrank fit`` would (raising ``jsonargparse.ArgumentError``).
+    """
+    if subcommand not in LIGHTNING_COMMANDS:
+        raise ValueError(f"build_parser: subcommand={subcommand!r}; allowed: {', '.join(LIGHTNING_COMMANDS)}")
+    base = __getattr__("LowrankCLI")
+
+    class _ParserOnly(base):  # type: ignore[misc, valid-type]
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            raise _ParserReady(self)
+
+    try:
+        _ParserOnly(args=[subcommand])
+    except _ParserReady as ready:
+        return ready.cli._parser(subcommand)
+    raise RuntimeError("LightningCLI did not reach argument parsing")
 
 
 def __getattr__(name: str) -> Any:
@@ -270,7 +336,21 @@ def cmd_list(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"list": cmd_list}
+def cmd_sweep(argv: Sequence[str]) -> int:
+    """``lowrank sweep``: run a W&B sweep file offline with optuna."""
+    from lowrank_lit.launch.sweep import main as sweep_main
+
+    return sweep_main(list(argv))
+
+
+def cmd_submit(argv: Sequence[str]) -> int:
+    """``lowrank submit``: write and submit an sbatch script."""
+    from lowrank_lit.launch.slurm import main as submit_main
+
+    return submit_main(list(argv))
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit}
 
 
 # --------------------------------------------------------------------------- errors

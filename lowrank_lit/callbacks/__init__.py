@@ -1,5 +1,6 @@
 """Generic callbacks (the YAML presets in the top-level ``callbacks/`` folder configure these and Lightning's)."""
 
 from lowrank_lit.callbacks.config import RunConfigCallback
+from lowrank_lit.callbacks.rng import RNGStateCheckpoint
 
-__all__ = ["RunConfigCallback"]
+__all__ = ["RunConfigCallback", "RNGStateCheckpoint"]

@@ -33,6 +33,7 @@ class DigitsDataModule(pl.LightningDataModule):
         val_fraction: fraction of all samples held out for validation. Default: 0.15.
         test_fraction: fraction of all samples held out for testing. Default: 0.15.
         split_seed: seed of the stratified split (independent of the run seed). Default: 0.
+        shuffle: shuffle the training split every epoch. Default: True.
 
     Raises:
         ValueError: on an out-of-range argument; the message names it and the allowed values.
@@ -51,6 +52,7 @@ class DigitsDataModule(pl.LightningDataModule):
         val_fraction: float = 0.15,
         test_fraction: float = 0.15,
         split_seed: int = 0,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(image_size, int) or not 8 <= image_size <= 64:
@@ -74,6 +76,7 @@ class DigitsDataModule(pl.LightningDataModule):
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.split_seed = split_seed
+        self.shuffle = shuffle
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
         self.test_set: TensorDataset | None = None
@@ -138,7 +141,7 @@ class DigitsDataModule(pl.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        return self._loader(self.train_set, shuffle=self.shuffle)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

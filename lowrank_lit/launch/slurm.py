@@ -1,0 +1,168 @@
+"""``lowrank submit``: write an sbatch script for a run (or an offline sweep) and submit it.
+
+Lightning's SLURM model is one task per GPU: ``--ntasks-per-node`` equals ``trainer.devices``,
+``--nodes`` equals ``trainer.num_nodes``, and the training command is launched with ``srun``. The
+script asks for ``--signal=SIGUSR1@90`` and ``--requeue``: Lightning's ``SLURMEnvironment``
+(selected automatically under ``srun``, ``auto_requeue=True``) saves ``hpc_ckpt_N.ckpt`` and
+requeues the job, which comes back with the same job id, hence the same run directory and W&B run.
+
+``lowrank submit --sweep sweeps/x.yaml --array K`` submits K workers of ``lowrank sweep`` as one
+array job sharing one optuna journal file, so they split the trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["render_script", "main"]
+
+_TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+
+
+def _template() -> str:
+    return resources.files("lowrank_lit.launch").joinpath("templates/sbatch.sh").read_text()
+
+
+def render_script(
+    *,
+    fit_args: list[str] | None = None,
+    sweep: str | None = None,
+    array: int | None = None,
+    nodes: int = 1,
+    gpus_per_node: int = 1,
+    cpus_per_task: int = 8,
+    time_limit: str = "04:00:00",
+    partition: str | None = None,
+    account: str | None = None,
+    job_name: str = "lowrank",
+    log_dir: str = "runs/slurm",
+    workdir: str | None = None,
+    python: str | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    trials_per_task: int | None = None,
+) -> str:
+    """The sbatch script text (see the module docstring)."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"lowrank submit: --nodes={nodes} and --gpus-per-node={gpus_per_node} must be >= 1")
+    if not _TIME_RE.match(time_limit):
+        raise ValueError(f"lowrank submit: --time={time_limit!r}; allowed: [D-]HH[:MM[:SS]], e.g. 04:00:00 or 1-00:00:00")
+    python = python or sys.executable
+    extra = []
+    if partition:
+        extra.append(f"#SBATCH --partition={partition}")
+    if account:
+        extra.append(f"#SBATCH --account={account}")
+    env_lines = []
+    if sweep:
+        if array is None or array < 1:
+            raise ValueError(f"lowrank submit: --array={array!r}; allowed: an integer >= 1 with --sweep")
+        extra.append(f"#SBATCH --array=0-{array - 1}")
+        # each array task is one sweep worker on one node; its trials run one after another on its GPUs
+        ntasks = 1
+        cmd = [python, "-m", "lowrank_lit", "sweep", sweep, "--storage", storage or "", "--study-name",
+               study_name or Path(sweep).stem]
+        if trials_per_task:
+            cmd += ["--n-trials", str(trials_per_task)]
+        launch = shlex.join(cmd) + ' --seed "$SLURM_ARRAY_TASK_ID"'
+        if gpus_per_node > 1 or nodes > 1:
+            launch += f" --trainer.devices={gpus_per_node} --trainer.num_nodes={nodes}"
+    else:
+        ntasks = gpus_per_node
+        cmd = ["srun", python, "-m", "lowrank_lit", *(fit_args or []),
+               f"--trainer.num_nodes={nodes}", f"--trainer.devices={gpus_per_node}", "--trainer.strategy=ddp",
+               "--trainer.accelerator=gpu"]
+        launch = shlex.join(cmd)
+    return _template().format(
+        script="<this file>",
+        job_name=job_name,
+        nodes=nodes,
+        ntasks_per_node=ntasks,
+        gpus_per_node=gpus_per_node,
+        cpus_per_task=cpus_per_task,
+        time=time_limit,
+        log_dir=log_dir,
+        extra_sbatch="\n".join(extra),
+        workdir=shlex.quote(workdir or os.getcwd()),
+        env_lines="\n".join(env_lines),
+        launch=launch,
+    )
+
+
+def main(argv: list[str]) -> int:
+    """``lowrank submit (--config C.yaml ... | --sweep S.yaml --array K) [options] [-- extra fit flags]``"""
+    parser = argparse.ArgumentParser(prog="lowrank submit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=[], help="config file(s) for `lowrank fit` (repeatable)")
+    parser.add_argument("--sweep", default=None, help="submit offline sweep workers for this sweep file instead")
+    parser.add_argument("--array", type=int, default=None, help="number of sweep workers (array tasks)")
+    parser.add_argument("--trials-per-task", type=int, default=None, help="trials per sweep worker")
+    parser.add_argument("--storage", default=None, help="shared optuna storage (default: runs/sweeps/<study>/study.journal)")
+    parser.add_argument("--study-name", default=None, help="optuna study / W&B group (default: sweep file stem)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (= trainer.num_nodes)")
+    parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (= trainer.devices = tasks per node)")
+    parser.add_argument("--cpus-per-task", type=int, default=8, help="CPU cores per task (data loading)")
+    parser.add_argument("--time", default="04:00:00", help="wall-time limit, [D-]HH:MM:SS")
+    parser.add_argument("--partition", default=None, help="SLURM partition")
+    parser.add_argument("--account", default=None, help="SLURM account")
+    parser.add_argument("--job-name", default=None, help="job name (default: the experiment or sweep name)")
+    parser.add_argument("--run-root", default="runs", help="run root (default: runs)")
+    parser.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    opts, extra = parser.parse_known_args(argv)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    if bool(opts.config) == bool(opts.sweep):
+        print("lowrank submit: error: pass either --config FILE (a run) or --sweep FILE --array K (sweep workers)",
+              file=sys.stderr)
+        return 2
+    from lowrank_lit.cli import experiment_from_configs
+
+    if opts.sweep:
+        name = opts.study_name or Path(opts.sweep).stem
+        folder = Path(opts.run_root) / "sweeps" / name
+        storage = opts.storage or str(folder / "study.journal")
+    else:
+        missing = [c for c in opts.config if not Path(c).is_file()]
+        if missing:
+            print(f"lowrank submit: error: --config file {missing[0]!r} does not exist", file=sys.stderr)
+            return 2
+        name = experiment_from_configs(opts.config)
+        folder = Path(opts.run_root) / name
+        storage = None
+    fit_args = ["fit", *[a for c in opts.config for a in ("--config", c)], "--run_root", opts.run_root, *extra]
+    try:
+        script = render_script(
+            fit_args=fit_args, sweep=opts.sweep, array=opts.array, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node,
+            cpus_per_task=opts.cpus_per_task, time_limit=opts.time, partition=opts.partition, account=opts.account,
+            job_name=opts.job_name or name.replace("/", "-"), log_dir=str(folder / "slurm"), storage=storage,
+            study_name=opts.study_name or (Path(opts.sweep).stem if opts.sweep else None),
+            trials_per_task=opts.trials_per_task,
+        )
+    except ValueError as exc:
+        print(f"{exc}", file=sys.stderr)
+        return 2
+    if opts.sweep and extra:
+        script = script.rstrip("\n") + " " + shlex.join(extra) + "\n"
+    if opts.dry_run:
+        print(script, end="")
+        return 0
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        print("lowrank submit: error: `sbatch` not found on PATH (not on a SLURM login node?); "
+              "use --dry-run to print the script", file=sys.stderr)
+        return 2
+    path = folder / "slurm" / f"{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script.replace("<this file>", str(path)))
+    out = subprocess.run([sbatch, str(path)], capture_output=True, text=True, check=False)
+    print(out.stdout.strip() or out.stderr.strip())
+    print(f"script: {path}")
+    return out.returncode

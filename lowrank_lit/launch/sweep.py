@@ -1,0 +1,465 @@
+"""Run a W&B sweep file offline with optuna: ``lowrank sweep sweeps/<slug>.yaml``.
+
+The same ``sweeps/<slug>.yaml`` drives an online W&B sweep (``wandb sweep`` + ``wandb agent``) and
+this offline runner, which needs no W&B server:
+
+==============  ==========================================
+W&B ``method``  optuna sampler
+==============  ==========================================
+``grid``        :class:`optuna.samplers.GridSampler`
+``random``      :class:`optuna.samplers.RandomSampler`
+``bayes``       :class:`optuna.samplers.TPESampler`
+==============  ==========================================
+
+Each trial is a ``lowrank fit`` subprocess with the trial's overrides as ``--key=value`` flags
+(exactly what W&B's ``${args}`` macro passes), its own run directory and, unless ``--no-wandb``,
+an offline W&B run grouped by the study name. The objective is the sweep's ``metric.name`` read
+from the trial's ``metrics.csv`` (its last logged value, as W&B's run summary). A trial that
+crashes is recorded as failed and the sweep goes on. Several workers (processes or SLURM array
+tasks) share one ``--storage`` (an sqlite URL or a ``.journal`` file) and split the trials; grid
+points are assigned by trial number, so no point runs twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import secrets
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["SweepSpec", "SweepError", "load_sweep", "format_value", "run_sweep", "main"]
+
+METHODS = ("grid", "random", "bayes")
+GOALS = ("minimize", "maximize")
+DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "categorical")
+ARGS_MACRO = "${args}"
+
+
+class SweepError(ValueError):
+    """A sweep file that cannot be run; the message names the file and the offending key."""
+
+
+@dataclass
+class SweepSpec:
+    """A parsed, validated W&B sweep file.
+
+    Attributes:
+        path: the sweep file.
+        method: ``grid``, ``random`` or ``bayes``.
+        metric: logged key to optimise; ``goal`` is ``minimize`` or ``maximize``.
+        parameters: dotted CLI key -> W&B parameter spec.
+        fit_args: the ``lowrank`` arguments fixed by the command (``fit --config ...``).
+        run_cap: W&B's optional cap on the number of runs.
+    """
+
+    path: Path
+    method: str
+    metric: str
+    goal: str
+    parameters: dict[str, dict[str, Any]]
+    fit_args: list[str]
+    run_cap: int | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def grid_points(self) -> list[dict[str, Any]]:
+        """Every combination of the ``values`` lists (grid sweeps)."""
+        keys = list(self.parameters)
+        values = [_choices(self.parameters[k]) for k in keys]
+        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*values)]
+
+    def corner_overrides(self) -> list[dict[str, Any]]:
+        """Overrides that touch every swept value (values) or both bounds (distributions)."""
+        out = []
+        for key, p in self.parameters.items():
+            if "values" in p or "value" in p:
+                out += [{key: v} for v in _choices(p)]
+            else:
+                lo, hi = p["min"], p["max"]
+                if p["distribution"] == "int_uniform":
+                    lo, hi = int(lo), int(hi)
+                out += [{key: lo}, {key: hi}]
+        return out
+
+
+def _choices(p: dict[str, Any]) -> list[Any]:
+    return list(p["values"]) if "values" in p else [p["value"]]
+
+
+def _fail(path: Path, msg: str) -> SweepError:
+    return SweepError(f"{path}: {msg}")
+
+
+def load_sweep(path: str | os.PathLike) -> SweepSpec:
+    """Read and validate a W&B sweep file.
+
+    Raises:
+        SweepError: missing or bad ``method``/``metric``/``parameters``/``program``/``command``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"sweep file {str(path)!r} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    method = raw.get("method")
+    if method not in METHODS:
+        raise _fail(path, f"method={method!r}; allowed: {', '.join(METHODS)}")
+    metric = raw.get("metric") or {}
+    if not isinstance(metric, dict) or not metric.get("name"):
+        raise _fail(path, "metric.name is required (a key the module logs, e.g. val/loss)")
+    goal = metric.get("goal", "minimize")
+    if goal not in GOALS:
+        raise _fail(path, f"metric.goal={goal!r}; allowed: {', '.join(GOALS)}")
+    if not raw.get("program"):
+        raise _fail(path, "program is required by W&B (use lowrank_lit/__main__.py)")
+    params = raw.get("parameters")
+    if not isinstance(params, dict) or not params:
+        raise _fail(path, "parameters must map dotted CLI keys to specs")
+    for key, p in params.items():
+        _check_param(path, key, p, method)
+    command = raw.get("command")
+    if not isinstance(command, list) or ARGS_MACRO not in command or "fit" not in command:
+        raise _fail(path, "command must be [${env}, ${interpreter}, -m, lowrank_lit, fit, --config, <config>, ${args}]")
+    start = command.index("fit")
+    fit_args = [str(c) for c in command[start:] if c != ARGS_MACRO and not str(c).startswith("${")]
+    run_cap = raw.get("run_cap")
+    return SweepSpec(path, method, metric["name"], goal, params, fit_args, run_cap, raw)
+
+
+def _check_param(path: Path, key: str, p: Any, method: str) -> None:
+    where = f"parameters.{key}"
+    if not isinstance(p, dict):
+        raise _fail(path, f"{where} must be a mapping with values/value or distribution/min/max")
+    if "values" in p:
+        if not isinstance(p["values"], list) or not p["values"]:
+            raise _fail(path, f"{where}.values must be a non-empty list")
+        return
+    if "value" in p:
+        return
+    if method == "grid":
+        raise _fail(path, f"{where}: grid sweeps need `values` for every parameter")
+    dist = p.get("distribution", "uniform" if "min" in p else None)
+    if dist not in DISTRIBUTIONS or dist == "categorical":
+        raise _fail(path, f"{where}.distribution={dist!r}; allowed: {', '.join(DISTRIBUTIONS[:4])} (or use values)")
+    p["distribution"] = dist
+    for bound in ("min", "max"):
+        if not isinstance(p.get(bound), int | float) or isinstance(p.get(bound), bool):
+            raise _fail(path, f"{where}.{bound} must be a number (write 1.0e-4, not 1e-4), got {p.get(bound)!r}")
+    if p["min"] >= p["max"]:
+        raise _fail(path, f"{where}: min={p['min']} must be below max={p['max']}")
+    if dist == "log_uniform_values" and p["min"] <= 0:
+        raise _fail(path, f"{where}: log_uniform_values needs min > 0, got {p['min']}")
+    if dist == "int_uniform" and not (float(p["min"]).is_integer() and float(p["max"]).is_integer()):
+        raise _fail(path, f"{where}: int_uniform needs integer min/max")
+    if dist == "q_uniform" and not (isinstance(p.get("q", 1.0), int | float) and p.get("q", 1.0) > 0):
+        raise _fail(path, f"{where}.q must be a positive number")
+
+
+def format_value(value: Any) -> str:
+    """Format a value as a ``--key=value`` override the way W&B's ``${args}`` does (YAML/JSON scalars)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def overrides_to_args(overrides: dict[str, Any]) -> list[str]:
+    """``{"model.init_args.lr": 0.01}`` -> ``["--model.init_args.lr=0.01"]``."""
+    return [f"--{k}={format_value(v)}" for k, v in overrides.items()]
+
+
+def check_keys(spec: SweepSpec) -> None:
+    """Parse the command with every swept value (or both bounds) through the real CLI parser.
+
+    Raises:
+        SweepError: naming the key and the parser's one-line error.
+    """
+    from jsonargparse import ArgumentError
+
+    from lowrank_lit.cli import _one_line_error, build_parser
+
+    parser = build_parser(spec.fit_args[0])
+    for override in spec.corner_overrides():
+        argv = spec.fit_args[1:] + overrides_to_args(override)
+        try:
+            parser.parse_args(argv)
+        except ArgumentError as exc:
+            key = next(iter(override))
+            raise _fail(spec.path, f"parameters.{key}: {_one_line_error(exc)}") from None
+
+
+# --------------------------------------------------------------------------------------- optuna
+def _encode(v: Any) -> Any:
+    return v if v is None or isinstance(v, bool | int | float | str) else json.dumps(v)
+
+
+def _decode(v: Any, original: list[Any]) -> Any:
+    for o in original:
+        if _encode(o) == v:
+            return o
+    return v
+
+
+def make_sampler(spec: SweepSpec, seed: int | None) -> Any:
+    import optuna
+
+    if spec.method == "grid":
+        space = {k: [_encode(v) for v in _choices(p)] for k, p in spec.parameters.items()}
+        return optuna.samplers.GridSampler(space, seed=seed)
+    if spec.method == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def suggest(trial: Any, spec: SweepSpec) -> dict[str, Any]:
+    """The trial's value for every swept key."""
+    out = {}
+    for key, p in spec.parameters.items():
+        if "values" in p or "value" in p:
+            choices = _choices(p)
+            out[key] = _decode(trial.suggest_categorical(key, [_encode(v) for v in choices]), choices)
+            continue
+        dist, lo, hi = p["distribution"], p["min"], p["max"]
+        if dist == "int_uniform":
+            out[key] = trial.suggest_int(key, int(lo), int(hi))
+        elif dist == "log_uniform_values":
+            out[key] = trial.suggest_float(key, float(lo), float(hi), log=True)
+        elif dist == "q_uniform":
+            q = float(p.get("q", 1.0))
+            hi_q = lo + math.floor((hi - lo) / q) * q
+            out[key] = trial.suggest_float(key, float(lo), float(hi_q), step=q)
+        else:
+            out[key] = trial.suggest_float(key, float(lo), float(hi))
+    return out
+
+
+def read_metric(metrics_csv: Path, name: str) -> float:
+    """Last logged value of ``name`` in a CSVLogger ``metrics.csv``."""
+    if not metrics_csv.is_file():
+        raise RuntimeError(f"{metrics_csv} was not written")
+    with metrics_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    keys = sorted({k for r in rows for k, v in r.items() if v not in ("", None)} - {"epoch", "step"})
+    values = [float(r[name]) for r in rows if r.get(name) not in ("", None)]
+    if not values:
+        raise RuntimeError(f"metric {name!r} was never logged; logged keys: {', '.join(keys) or '(none)'}")
+    return values[-1]
+
+
+@dataclass
+class TrialResult:
+    number: int
+    params: dict[str, Any]
+    state: str
+    value: float | None
+    run_dir: str | None
+    error: str | None = None
+
+
+def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_name: str, run_root: Path,
+              wandb: bool, extra_args: list[str], log_dir: Path) -> TrialResult:
+    """Run one ``lowrank fit`` subprocess and read its objective."""
+    run_id = f"{study_name}-t{number:04d}-{secrets.token_hex(2)}"
+    args = [sys.executable, "-m", "lowrank_lit", *spec.fit_args]
+    if wandb:
+        args += ["--config", str(_preset("wandb.yaml"))]
+    args += [*extra_args, *overrides_to_args(params), "--run_root", str(run_root), "--run_id", run_id]
+    env = {**os.environ, "WANDB_RUN_GROUP": study_name, "TQDM_MINITERS": os.environ.get("TQDM_MINITERS", "50")}
+    env.pop("LOWRANK_RUN_DIR", None)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{run_id}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    found = [p for p in run_root.rglob(run_id) if p.is_dir()]
+    run_dir = found[0] if found else None
+    if proc.returncode != 0:
+        tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        return TrialResult(number, params, "FAIL", None, str(run_dir) if run_dir else None,
+                           f"exit {proc.returncode}: {tail[0][:200]} (log: {log_path})")
+    try:
+        value = read_metric(run_dir / "metrics.csv" if run_dir else Path("missing"), spec.metric)
+    except RuntimeError as exc:
+        return TrialResult(number, params, "FAIL", None, str(run_dir) if run_dir else None, str(exc))
+    if math.isnan(value):
+        return TrialResult(number, params, "FAIL", None, str(run_dir), f"{spec.metric} is NaN")
+    return TrialResult(number, params, "COMPLETE", value, str(run_dir))
+
+
+def _preset(name: str) -> Path:
+    from lowrank_lit.registry import project_root
+
+    return project_root() / "callbacks" / name
+
+
+def run_sweep(
+    sweep_file: str | os.PathLike,
+    *,
+    n_trials: int | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    run_root: str | os.PathLike = "runs",
+    seed: int | None = 0,
+    wandb: bool = True,
+    extra_args: list[str] | None = None,
+    check: bool = True,
+) -> tuple[Any, list[TrialResult]]:
+    """Run (this worker's share of) a sweep and return the optuna study and this worker's trials.
+
+    Args:
+        sweep_file: W&B sweep YAML.
+        n_trials: trials for this worker. Default: the grid size (grid), else ``run_cap`` or 10.
+        storage: optuna storage shared by workers: ``sqlite:///file.db`` or a ``*.journal`` path.
+            Default: in memory (one worker).
+        study_name: optuna study name and W&B group. Default: the sweep file's stem.
+        run_root: where trial run directories go. Default: ``runs``.
+        seed: sampler seed (workers sharing a study should pass different seeds). Default: 0.
+        wandb: log each trial to W&B (offline unless logged in). Default: True.
+        extra_args: more ``lowrank fit`` flags for every trial (e.g. a smaller budget).
+        check: parse every swept value through the CLI before the first trial. Default: True.
+    """
+    import optuna
+
+    spec = load_sweep(sweep_file)
+    if check:
+        check_keys(spec)
+    study_name = study_name or spec.path.stem
+    grid_size = len(spec.grid_points()) if spec.method == "grid" else None
+    if n_trials is None:
+        n_trials = grid_size or spec.run_cap or 10
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=study_name,
+        storage=_storage(storage),
+        sampler=make_sampler(spec, seed),
+        direction="minimize" if spec.goal == "minimize" else "maximize",
+        load_if_exists=True,
+    )
+    run_root = Path(run_root)
+    results: list[TrialResult] = []
+    for _ in range(n_trials):
+        trial = study.ask()
+        if grid_size is not None and trial.number >= grid_size:
+            # every grid point is taken by some worker: release this slot without running anything
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            break
+        params = suggest(trial, spec)
+        trial.set_user_attr("overrides", overrides_to_args(params))
+        res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
+                        extra_args=list(extra_args or []), log_dir=run_root / "sweeps" / study_name / "logs")
+        if res.run_dir:
+            trial.set_user_attr("run_dir", res.run_dir)
+        if res.state == "COMPLETE":
+            study.tell(trial, res.value)
+        else:
+            trial.set_user_attr("error", res.error)
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        print(_trial_line(res, spec.metric), flush=True)
+        results.append(res)
+    return study, results
+
+
+def _storage(storage: str | None) -> Any:
+    if storage is None:
+        return None
+    if "://" in storage:
+        return storage
+    import optuna
+
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(storage))
+
+
+def _trial_line(res: TrialResult, metric: str) -> str:
+    shown = " ".join(f"{k.split('.')[-1]}={format_value(v)}" for k, v in res.params.items())
+    val = f"{metric}={res.value:.5g}" if res.value is not None else res.error
+    return f"trial {res.number:3d} {res.state:8s} {shown}  {val}"
+
+
+def best_config(spec: SweepSpec, study: Any, out_path: Path) -> Path:
+    """Write the best trial as a config: the sweep's base config(s) with the best overrides applied."""
+    from lowrank_lit.cli import build_parser
+
+    best = study.best_trial
+    params = {k: _decode(v, _choices(spec.parameters[k])) if ("values" in spec.parameters[k]) else v
+              for k, v in best.params.items()}
+    parser = build_parser(spec.fit_args[0])
+    cfg = parser.parse_args(spec.fit_args[1:] + overrides_to_args(params))
+    cfg.pop("config", None)
+    header = (
+        f"# Best trial {best.number} of sweep {spec.path} ({spec.metric} = {best.value:.6g}, {spec.goal}).\n"
+        f"# Run: lowrank fit --config {out_path}\n"
+    )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(header + parser.dump(cfg, skip_none=False))
+    return out_path
+
+
+def summary_table(spec: SweepSpec, study: Any) -> str:
+    """A markdown table of every trial in the study (all workers), best first."""
+    import optuna
+
+    trials = [t for t in study.get_trials(deepcopy=False) if t.state != optuna.trial.TrialState.PRUNED]
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    done.sort(key=lambda t: t.value, reverse=spec.goal == "maximize")
+    rest = [t for t in trials if t.state != optuna.trial.TrialState.COMPLETE]
+    keys = list(spec.parameters)
+    lines = ["| trial | state | " + " | ".join(keys) + f" | {spec.metric} |", "|" + "---|" * (len(keys) + 3)]
+    for t in done + rest:
+        vals = [format_value(_decode(t.params.get(k), _choices(spec.parameters[k])) if "values" in spec.parameters[k]
+                             else t.params.get(k)) for k in keys]
+        value = f"{t.value:.4f}" if t.value is not None else "-"
+        lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(vals) + f" | {value} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``lowrank sweep SWEEP.yaml [--n-trials N] [--storage URL] [--study-name S] ...``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="lowrank sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep_file", help="W&B sweep YAML (sweeps/<slug>.yaml)")
+    parser.add_argument("--n-trials", type=int, default=None, help="trials for this worker (default: grid size, run_cap or 10)")
+    parser.add_argument("--storage", default=None, help="optuna storage shared by workers: sqlite:///x.db or x.journal")
+    parser.add_argument("--study-name", default=None, help="optuna study and W&B group (default: sweep file stem)")
+    parser.add_argument("--run-root", default="runs", help="folder for trial run directories (default: runs)")
+    parser.add_argument("--seed", type=int, default=None, help="sampler seed (default: SLURM_ARRAY_TASK_ID or 0)")
+    parser.add_argument("--best-config", default=None, help="where to write the best config (default: <run-root>/sweeps/<study>/best.yaml)")
+    parser.add_argument("--no-wandb", action="store_true", help="do not create a W&B run per trial")
+    parser.add_argument("--check", action="store_true", help="only validate the file and every swept key, run nothing")
+    opts, extra = parser.parse_known_args(argv)
+    try:
+        spec = load_sweep(opts.sweep_file)
+        check_keys(spec)
+    except SweepError as exc:
+        print(f"lowrank sweep: error: {exc}", file=sys.stderr)
+        return 2
+    if opts.check:
+        n = len(spec.grid_points()) if spec.method == "grid" else "unbounded"
+        print(f"{spec.path}: ok ({spec.method}, {len(spec.parameters)} parameters, grid size {n})")
+        return 0
+    seed = opts.seed if opts.seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
+    study, _ = run_sweep(spec.path, n_trials=opts.n_trials, storage=opts.storage, study_name=opts.study_name,
+                         run_root=opts.run_root, seed=seed, wandb=not opts.no_wandb, extra_args=extra, check=False)
+    print()
+    print(summary_table(spec, study))
+    try:
+        best = study.best_trial
+    except ValueError:
+        print("\nno trial completed", file=sys.stderr)
+        return 1
+    out = Path(opts.best_config or Path(opts.run_root) / "sweeps" / study.study_name / "best.yaml")
+    best_config(spec, study, out)
+    print(f"\nbest: trial {best.number}  {spec.metric}={best.value:.6g}  " + " ".join(best.user_attrs.get("overrides", [])))
+    print(f"best config: {out}\n  lowrank fit --config {out}")
+    return 0

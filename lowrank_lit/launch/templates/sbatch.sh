@@ -1,0 +1,20 @@
+#!/bin/bash
+# Written by `lowrank submit`; edit freely and submit with: sbatch {script}
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node={ntasks_per_node}
+#SBATCH --gres=gpu:{gpus_per_node}
+#SBATCH --cpus-per-task={cpus_per_task}
+#SBATCH --time={time}
+#SBATCH --signal=SIGUSR1@90
+#SBATCH --requeue
+#SBATCH --output={log_dir}/%x-%j.out
+{extra_sbatch}
+# Lightning requeues the job on SIGUSR1 (90 s before the time limit) after saving hpc_ckpt_N.ckpt
+# into the run directory runs/<experiment>/<SLURM_JOB_ID>/; the requeued job resumes from it.
+set -euo pipefail
+cd {workdir}
+export TQDM_MINITERS=${{TQDM_MINITERS:-50}}   # progress bars print every 50 batches in batch logs
+export PYTHONUNBUFFERED=1
+{env_lines}
+{launch}
