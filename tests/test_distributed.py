@@ -117,8 +117,11 @@ def test_reentering_a_run_without_ckpt_path_is_refused(run_root, capsys):
 # ----------------------------------------------------------------------------------------- DDP
 @pytest.mark.parametrize("devices", [2])
 def test_ddp_step_equals_single_process_step(tmp_path, devices):
+    # Lightning always shuffles a training DistributedSampler (seed 0 here); running the single process
+    # under the ddp strategy too gives it the same permutation, so its first batch of 64 is exactly
+    # the union of the two ranks' first batches of 32
     common = ["fit", "--config", str(MLP_CONFIG), "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
-              "--trainer.accelerator=cpu", "--data.init_args.shuffle=false", "--test_after_fit=false",
+              "--trainer.accelerator=cpu", "--trainer.strategy=ddp", "--test_after_fit=false",
               "--model.init_args.backbone.init_args.dropout=0.0", "--trainer.enable_progress_bar=false"]
     env = {**os.environ, "PL_DISABLE_FORK": "0", "OMP_NUM_THREADS": "1"}
     env.pop("LOWRANK_RUN_DIR", None)
@@ -127,7 +130,7 @@ def test_ddp_step_equals_single_process_step(tmp_path, devices):
                             cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert single.returncode == 0, single.stderr[-2000:]
     ddp = subprocess.run([sys.executable, "-m", "lowrank_lit", *common, f"--data.init_args.batch_size={64 // devices}",
-                          f"--trainer.devices={devices}", "--trainer.strategy=ddp",
+                          f"--trainer.devices={devices}",
                           "--run_root", str(tmp_path / "ddp")],
                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert ddp.returncode == 0, ddp.stderr[-2000:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import yaml
@@ -26,24 +25,20 @@ def test_sweep_file_is_valid(sweep):
     check_keys(spec)  # every value / both bounds parsed by the real `lowrank fit` parser
 
 
-def _write(tmp_path, body, name="s.yaml"):
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body).format(config=ROOT / "configs/baseline/mlp_digits.yaml"))
-    return path
-
-
-BASE = """\
-program: lowrank_lit/__main__.py
-method: {method}
-metric: {{name: val/loss, goal: minimize}}
-parameters:
-{params}
-command: ["${{env}}", "${{interpreter}}", -m, lowrank_lit, fit, --config, "{{config}}", "${{args}}"]
-"""
-
-
 def _sweep(tmp_path, params, method="grid"):
-    return _write(tmp_path, BASE.format(method=method, params=textwrap.indent(params, "  ")))
+    """A sweep file over the MLP baseline with the given `parameters` block (YAML text)."""
+    spec = {
+        "program": "lowrank_lit/__main__.py",
+        "method": method,
+        "metric": {"name": "val/loss", "goal": "minimize"},
+        "parameters": yaml.safe_load(params),
+        "command": ["${env}", "${interpreter}", "-m", "lowrank_lit", "fit", "--config",
+                    str(ROOT / "configs/baseline/mlp_digits.yaml"), "${args}"],
+    }
+    path = tmp_path / "s.yaml"
+    text = yaml.safe_dump(spec, sort_keys=False)
+    path.write_text(text.replace("'1e-4'", "1e-4"))  # keep YAML 1.1's string reading of 1e-4 visible
+    return path
 
 
 def test_unknown_swept_key_is_one_line_error(tmp_path):

@@ -27,7 +27,9 @@ class RunConfigCallback(SaveConfigCallback):
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
-        config_path = os.path.join(trainer.log_dir or trainer.default_root_dir, self.config_filename)
+        # this runs on rank 0 only: trainer.log_dir would broadcast (a collective) and deadlock DDP;
+        # the CLI makes the CSV log dir and default_root_dir the same run directory
+        config_path = os.path.join(trainer.default_root_dir, self.config_filename)
         for logger in trainer.loggers:
             if isinstance(logger, CSVLogger):
                 continue

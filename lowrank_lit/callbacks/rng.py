@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+import random
+
+import numpy as np
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 __all__ = ["RNGStateCheckpoint"]
@@ -25,10 +28,34 @@ class RNGStateCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {}
 
+    @staticmethod
+    def collect() -> dict[str, Any]:
+        """The global RNG states as tensors and plain Python values (loadable with ``weights_only=True``)."""
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        states: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "python": random.getstate(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state_all()
+        return states
+
+    @staticmethod
+    def restore(states: dict[str, Any]) -> None:
+        """Set the global RNG states saved by :meth:`collect`."""
+        torch.set_rng_state(states["torch"])
+        name, keys, pos, has_gauss, gauss = states["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        version, internal, gauss_next = states["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
+
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[self.KEY] = _collect_rng_states(include_cuda=False)
+        checkpoint[self.KEY] = self.collect()
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get(self.KEY)
         if states is not None:
-            _set_rng_states(states)
+            self.restore(states)

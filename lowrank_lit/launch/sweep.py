@@ -44,6 +44,10 @@ DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "c
 ARGS_MACRO = "${args}"
 
 
+class TrialFailed(RuntimeError):
+    """A trial whose ``lowrank fit`` crashed or did not log the sweep metric."""
+
+
 class SweepError(ValueError):
     """A sweep file that cannot be run; the message names the file and the offending key."""
 
@@ -215,7 +219,10 @@ def make_sampler(spec: SweepSpec, seed: int | None) -> Any:
 
     if spec.method == "grid":
         space = {k: [_encode(v) for v in _choices(p)] for k, p in spec.parameters.items()}
-        return optuna.samplers.GridSampler(space, seed=seed)
+        # GridSampler shuffles the grid with its seed and maps trial number -> grid point; every
+        # worker of a study must use the same order, so the grid seed is fixed (seed only varies
+        # the random and bayes samplers between workers)
+        return optuna.samplers.GridSampler(space, seed=0)
     if spec.method == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
@@ -346,25 +353,26 @@ def run_sweep(
     )
     run_root = Path(run_root)
     results: list[TrialResult] = []
-    for _ in range(n_trials):
-        trial = study.ask()
+
+    def objective(trial: Any) -> float:
         if grid_size is not None and trial.number >= grid_size:
             # every grid point is taken by some worker: release this slot without running anything
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            break
+            raise optuna.TrialPruned("grid exhausted")
         params = suggest(trial, spec)
         trial.set_user_attr("overrides", overrides_to_args(params))
         res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
                         extra_args=list(extra_args or []), log_dir=run_root / "sweeps" / study_name / "logs")
+        results.append(res)
+        print(_trial_line(res, spec.metric), flush=True)
         if res.run_dir:
             trial.set_user_attr("run_dir", res.run_dir)
-        if res.state == "COMPLETE":
-            study.tell(trial, res.value)
-        else:
+        if res.state != "COMPLETE":
             trial.set_user_attr("error", res.error)
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        print(_trial_line(res, spec.metric), flush=True)
-        results.append(res)
+            raise TrialFailed(res.error)
+        return float(res.value)
+
+    # GridSampler stops the study once every point is done; failed trials are recorded and skipped
+    study.optimize(objective, n_trials=n_trials, catch=(TrialFailed,))
     return study, results
 
 
