@@ -103,3 +103,14 @@ def test_tensor_datamodule():
         bad.setup()
     with pytest.raises(ValueError, match="train=None"):
         TensorDataModule().setup()
+
+
+def test_cifar10_needs_user_data(tmp_path):
+    from lowrank_lit.data import CIFAR10DataModule
+
+    dm = CIFAR10DataModule(data_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="has no cifar-10-batches-py/.*nothing is downloaded"):
+        dm.setup("fit")
+    assert not any(tmp_path.iterdir())  # and nothing was fetched or created
+    with pytest.raises(ValueError, match="val_size=50000"):
+        CIFAR10DataModule(data_dir=str(tmp_path), val_size=50000)
