@@ -153,6 +153,15 @@ def _resolve_rank(target_rank: float, d1: int, d2: int, name: str) -> int:
 
 
 # --------------------------------------------------------------------------------------- regularizer
+def _check_hparams(lam: float, period: int, eps_schedule: str) -> None:
+    if isinstance(lam, bool) or not isinstance(lam, int | float) or lam < 0 or not math.isfinite(lam):
+        raise ValueError(f"Q3R: lam={lam!r}; allowed: a finite float >= 0")
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(f"Q3R: period={period!r}; allowed: an integer >= 1")
+    if eps_schedule not in EPS_SCHEDULES:
+        raise ValueError(f"Q3R: eps_schedule={eps_schedule!r}; allowed: {', '.join(EPS_SCHEDULES)}")
+
+
 class Q3RRegularizer:
     """The Q3R operators of a set of target matrices.
 
@@ -181,12 +190,7 @@ class Q3RRegularizer:
         eps_decay_steps: int = 10000,
         eps_min: float = 1e-5,
     ) -> None:
-        if not isinstance(lam, int | float) or lam < 0 or not math.isfinite(lam):
-            raise ValueError(f"Q3R: lam={lam!r}; allowed: a finite float >= 0")
-        if not isinstance(period, int) or period < 1:
-            raise ValueError(f"Q3R: period={period!r}; allowed: an integer >= 1")
-        if eps_schedule not in EPS_SCHEDULES:
-            raise ValueError(f"Q3R: eps_schedule={eps_schedule!r}; allowed: {', '.join(EPS_SCHEDULES)}")
+        _check_hparams(lam, period, eps_schedule)
         if eps_decay_steps < 1 or not eps_min > 0:
             raise ValueError(f"Q3R: eps_decay_steps={eps_decay_steps}, eps_min={eps_min}; allowed: >= 1 and > 0")
         self.targets = targets
@@ -366,12 +370,7 @@ class Q3R(Callback):
         log_stats: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(lam, int | float) or lam < 0:
-            raise ValueError(f"Q3R: lam={lam!r}; allowed: a float >= 0")
-        if not isinstance(period, int) or period < 1:
-            raise ValueError(f"Q3R: period={period!r}; allowed: an integer >= 1")
-        if eps_schedule not in EPS_SCHEDULES:
-            raise ValueError(f"Q3R: eps_schedule={eps_schedule!r}; allowed: {', '.join(EPS_SCHEDULES)}")
+        _check_hparams(lam, period, eps_schedule)  # fail at config time, before any training
         self.patterns = list(targets)
         self.target_rank = target_rank
         self.lam = lam
