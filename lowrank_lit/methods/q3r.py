@@ -274,7 +274,8 @@ class Q3RRegularizer:
                 continue
             p = t.sigma / t.sigma.sum().clamp_min(1e-12)
             erank = float(torch.exp(-(p * torch.log(p.clamp_min(1e-12))).sum()))
-            value = float((t.weight.float() * self.apply(t, t.weight).float()).sum())
+            W = t.weight.detach()
+            value = float((W.float() * self.apply(t, W).float()).sum())
             out[t.name] = {"eps": t.eps, "r_env": float(t.r_env), "erank": erank, "penalty": self.lam * value}
         return out
 
