@@ -570,19 +570,67 @@ class TruncationEval(Callback):
 
 
 def _plot(rows: list[dict[str, float]], path: str) -> str:
+    return plot_truncation({"": rows}, path)
+
+
+def plot_truncation(series: dict[str, list[dict[str, float]]], path: str) -> str:
+    """Accuracy vs kept parameters, one line per series (rows as in ``truncation.csv``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.5, 3.2))
-    ax.plot([r["kept_params"] for r in rows], [r["acc"] for r in rows], "o-")
+    for label, rows in series.items():
+        ax.plot([r["kept_params"] for r in rows], [r["acc"] for r in rows], "o-", label=label or None)
     ax.set_xlabel("kept parameters of the targets")
     ax.set_ylabel("test accuracy")
     ax.invert_xaxis()
     ax.grid(alpha=0.3)
+    if any(series):
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
+
+def compare(experiment_dirs: Sequence[str], out: str | None = None) -> str:
+    """Average ``truncation.csv`` over the runs (seeds) of each experiment folder; markdown table (+ plot).
+
+    ``python -m lowrank_lit.methods.q3r runs/q3r/mlp_digits runs/q3r/mlp_digits_adamw --out cmp.png``
+    """
+    import csv
+    from pathlib import Path
+
+    series: dict[str, list[dict[str, float]]] = {}
+    counts: dict[str, int] = {}
+    for folder in experiment_dirs:
+        files = sorted(Path(folder).glob("*/truncation.csv"))
+        if not files:
+            raise FileNotFoundError(f"compare: no */truncation.csv under {folder!r}")
+        runs = [list(csv.DictReader(f.open())) for f in files]
+        label = Path(folder).name
+        series[label] = [
+            {k: sum(float(r[i][k]) for r in runs) / len(runs) for k in ("keep_fraction", "kept_params", "acc")}
+            for i in range(len(runs[0]))
+        ]
+        counts[label] = len(runs)
+    rhos = [r["keep_fraction"] for r in next(iter(series.values()))]
+    lines = ["| keep fraction | " + " | ".join(f"{k} (n={counts[k]})" for k in series) + " |",
+             "|---|" + "---|" * len(series)]
+    for i, rho in enumerate(rhos):
+        lines.append(f"| {rho:g} | " + " | ".join(f"{series[k][i]['acc']:.4f}" for k in series) + " |")
+    if out:
+        plot_truncation(series, out)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    _p = argparse.ArgumentParser(description="Average truncation results over seeds and compare experiments.")
+    _p.add_argument("experiment_dirs", nargs="+", help="folders runs/<experiment> holding <run_id>/truncation.csv")
+    _p.add_argument("--out", default=None, help="write the comparison plot here (PNG)")
+    _a = _p.parse_args()
+    print(compare(_a.experiment_dirs, _a.out))

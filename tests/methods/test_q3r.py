@@ -302,3 +302,16 @@ def test_must_show_mlp_digits(tmp_path):
     q3r_loss, adamw_loss = q3r[1.0] - q3r[0.2], adamw[1.0] - adamw[0.2]
     assert q3r_loss <= 0.05
     assert adamw_loss - q3r_loss >= 0.05, f"Q3R loses {q3r_loss:.3f}, AdamW {adamw_loss:.3f} at keep 0.2"
+
+
+def test_compare_averages_seeds(tmp_path):
+    from lowrank_lit.methods.q3r import compare
+
+    for exp, accs in {"a": [(0.9, 0.5), (0.8, 0.7)], "b": [(1.0, 0.2)]}.items():
+        for i, (full, low) in enumerate(accs):
+            run = tmp_path / exp / f"run{i}"
+            run.mkdir(parents=True)
+            (run / "truncation.csv").write_text(f"keep_fraction,kept_params,acc\n1.0,1.0,{full}\n0.2,0.19,{low}\n")
+    table = compare([str(tmp_path / "a"), str(tmp_path / "b")], out=str(tmp_path / "cmp.png"))
+    assert "| 1 | 0.8500 | 1.0000 |" in table and "| 0.2 | 0.6000 | 0.2000 |" in table
+    assert "a (n=2)" in table and (tmp_path / "cmp.png").stat().st_size > 0
