@@ -315,3 +315,31 @@ def test_compare_averages_seeds(tmp_path):
     table = compare([str(tmp_path / "a"), str(tmp_path / "b")], out=str(tmp_path / "cmp.png"))
     assert "| 1 | 0.8500 | 1.0000 |" in table and "| 0.2 | 0.6000 | 0.2000 |" in table
     assert "a (n=2)" in table and (tmp_path / "cmp.png").stat().st_size > 0
+
+
+def test_callback_state_survives_checkpoint_resume(tmp_path):
+    import lightning.pytorch as pl
+
+    from lowrank_lit.data import TensorDataModule
+    from lowrank_lit.models.classifier import ImageClassifier
+    from lowrank_lit.models.mlp import MLP
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+
+    def fit(epochs, ckpt=None):
+        torch.manual_seed(1)
+        model = ImageClassifier(MLP(6, 3, hidden=[10]), num_classes=3)
+        cb = Q3R(targets=["backbone.net.0"], target_rank=2, lam=0.5, period=3, log_stats=False)
+        trainer = pl.Trainer(max_epochs=epochs, callbacks=[cb], logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(model, TensorDataModule(train=(x, y), batch_size=16), ckpt_path=ckpt)
+        return trainer, cb
+
+    trainer, cb = fit(1)
+    ckpt = trainer.checkpoint_callback.best_model_path
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("Q3R")]
+    assert state["steps"] == 4 and state["targets"]["backbone.net.0"]["eps"] == cb.regularizer.targets[0].eps
+    _, resumed = fit(2, ckpt)
+    assert resumed.regularizer.steps == 8  # continued from 4, not restarted
