@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["LowrankCLI", "main", "wandb_online_allowed", "experiment_from_configs"]
+__all__ = ["LowrankCLI", "main", "wandb_online_allowed", "experiment_from_configs"]  # noqa: F822 (built lazily)
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 

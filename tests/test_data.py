@@ -45,7 +45,7 @@ def test_split_is_stratified_disjoint_and_seeded():
         counts = torch.bincount(split.tensors[1], minlength=10).float() / len(split)
         assert counts.min() > 0.08 and counts.max() < 0.12  # every class ~10% in every split
     again = _setup()
-    for a, b in zip(xs, [s.tensors[0].flatten(1) for s in (again.train_set, again.val_set, again.test_set)]):
+    for a, b in zip(xs, [s.tensors[0].flatten(1) for s in (again.train_set, again.val_set, again.test_set)], strict=True):
         assert torch.equal(a, b)
     other = _setup(split_seed=1)
     assert not torch.equal(other.test_set.tensors[0], dm.test_set.tensors[0])

@@ -382,7 +382,6 @@ def _storage(storage: str | None) -> Any:
     if "://" in storage:
         return storage
     import optuna
-
     from optuna.storages.journal import JournalFileBackend
 
     return optuna.storages.JournalStorage(JournalFileBackend(storage))

@@ -48,7 +48,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
-from lowrank_lit.nn.lowrank_linear import LowRankLinear, svd_factorize
+from lowrank_lit.nn.lowrank_linear import svd_factorize
 from lowrank_lit.registry import register_method
 
 __all__ = [

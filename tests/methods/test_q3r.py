@@ -55,7 +55,7 @@ def test_eps_schedule_default_never_increases():
         reg.refresh()
         eps.append(t.eps)
         assert t.r_env >= t.rank
-    assert all(b <= a for a, b in zip(eps, eps[1:]))
+    assert all(b <= a for a, b in zip(eps, eps[1:], strict=False))
     assert eps[-1] < eps[0]
 
 
@@ -164,12 +164,12 @@ def test_lam_zero_equals_adam_and_callback_equals_adamq3r():
     m0, m1, m2, m3 = (copy.deepcopy(base) for _ in range(4))
     adam = run(m0, torch.optim.Adam(m0.parameters(), lr=1e-2))
     zero = run(m1, AdamQ3R(m1.parameters(), Q3RRegularizer(resolve_targets(m1, ["0"]), 2, lam=0.0), lr=1e-2))
-    for a, b in zip(adam, zero):
+    for a, b in zip(adam, zero, strict=True):
         assert torch.equal(a, b)
     paper = run(m2, AdamQ3R(m2.parameters(), Q3RRegularizer(resolve_targets(m2, ["0"]), 2, lam=0.5), lr=1e-2))
     manual = run(m3, torch.optim.Adam(m3.parameters(), lr=1e-2),
                  Q3RRegularizer(resolve_targets(m3, ["0"]), 2, lam=0.5))
-    for a, b in zip(paper, manual):
+    for a, b in zip(paper, manual, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(paper[0], adam[0])  # the penalty did act
 
@@ -198,7 +198,7 @@ def test_callback_matches_adamq3r_in_lightning(tmp_path):
             opt.zero_grad()
             nn.functional.cross_entropy(reference(x[i:i + 16]), y[i:i + 16]).backward()
             opt.step()
-    for a, b in zip(model.backbone.parameters(), reference.parameters()):
+    for a, b in zip(model.backbone.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert cb.regularizer.steps == 12
 
@@ -226,7 +226,7 @@ def test_truncation_rank_and_identity():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 12))
     x = torch.randn(4, 16)
     same = truncate(copy.deepcopy(model), 1.0, ["0", "2[3]"])
-    assert all(torch.equal(a, b) for a, b in zip(same.parameters(), model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(same.parameters(), model.parameters(), strict=True))
     small = truncate(copy.deepcopy(model), 0.25, ["0", "2[3]"])
     n_old = sum(p.numel() for p in model.parameters())
     n_new = sum(p.numel() for p in small.parameters())
