@@ -1,0 +1,55 @@
+"""Shared low-rank linear algebra (float64 where bounds need it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["check_symmetric", "smallest_eigenpairs", "spectral_norm_sym"]
+
+
+def check_symmetric(A: torch.Tensor, name: str = "A", rtol: float = 1e-10) -> torch.Tensor:
+    """Return ``A`` as float64 after checking it is a finite, square, symmetric 2-D tensor.
+
+    Raises:
+        ValueError: naming ``name`` when A is not 2-D square, has NaN/Inf, or ``|A - A^T| > rtol * |A|``.
+    """
+    A = torch.as_tensor(A)
+    if A.ndim != 2 or A.shape[0] != A.shape[1]:
+        raise ValueError(f"{name} must be a square matrix, got shape {tuple(A.shape)}")
+    A = A.to(torch.float64)
+    if not torch.isfinite(A).all():
+        raise ValueError(f"{name} has NaN or Inf entries")
+    scale = float(torch.linalg.matrix_norm(A, ord=2)) if A.numel() else 0.0
+    if float((A - A.T).abs().max()) > rtol * max(scale, 1e-300):
+        raise ValueError(f"{name} must be symmetric (|{name} - {name}^T| > {rtol:g} * |{name}|)")
+    return A
+
+
+def smallest_eigenpairs(A: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` eigenpairs of symmetric ``A`` with the smallest ``|lambda|`` (ascending ``|lambda|``).
+
+    Uses ARPACK's shift-invert Lanczos around 0 (``scipy.sparse.linalg.eigsh(sigma=0)``): one LU
+    factorization and a few solves instead of a full ``eigh``. Small matrices fall back to ``eigh``.
+
+    Returns:
+        ``(eigvals (k,), eigvecs (n, k))`` in float64.
+    """
+    A = check_symmetric(A)
+    n = A.shape[0]
+    if not 1 <= k < n:
+        raise ValueError(f"k={k}; allowed: 1 <= k < n = {n}")
+    if n <= 64 or k >= n // 2:
+        w, V = torch.linalg.eigh(A)
+        order = torch.argsort(w.abs())[:k]
+        return w[order], V[:, order]
+    from scipy.sparse.linalg import eigsh
+
+    w, V = eigsh(A.numpy(), k=k, sigma=0.0, which="LM")
+    order = np.argsort(np.abs(w))
+    return torch.from_numpy(w[order].copy()), torch.from_numpy(V[:, order].copy())
+
+
+def spectral_norm_sym(A: torch.Tensor) -> float:
+    """Spectral norm of a symmetric matrix (largest ``|eigenvalue|``)."""
+    return float(torch.linalg.eigvalsh(A.to(torch.float64)).abs().max())

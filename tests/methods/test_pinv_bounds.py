@@ -1,0 +1,142 @@
+"""Low-rank inverse perturbation bounds (paper 01): the card's properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lowrank_lit.linalg import smallest_eigenpairs
+from lowrank_lit.methods.pinv_bounds import (
+    best_rank_p_inverse,
+    contour_bound,
+    eym_neumann_bound,
+    gap_condition_holds,
+    lowrank_inverse_error,
+    max_noise_std,
+    symmetric_noise,
+)
+
+D = torch.float64
+
+
+def _spd(n, seed, spectrum=None):
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, dtype=D, generator=g))
+    w = spectrum if spectrum is not None else torch.logspace(0, -2, n, dtype=D)
+    return (Q * w) @ Q.T, Q
+
+
+def test_full_rank_is_the_inverse_and_rank_is_p():
+    A, _ = _spd(8, 0)
+    torch.testing.assert_close(best_rank_p_inverse(A, 8), torch.linalg.inv(A))
+    Ap = best_rank_p_inverse(A, 3)
+    assert torch.linalg.matrix_rank(Ap) == 3
+    torch.testing.assert_close(Ap, Ap.T)
+
+
+def test_diagonal_example_is_exact():
+    A = torch.diag(torch.tensor([5.0, 4, 3, 2, 1], dtype=D))
+    E = torch.diag(torch.tensor([0.05, -0.05, 0.05, 0.1, -0.2], dtype=D))
+    assert lowrank_inverse_error(A, E, 2) == pytest.approx(0.25, abs=1e-14)
+
+
+def test_hand_case():
+    A = torch.diag(torch.tensor([10.0, 10, 10, 2, 1], dtype=D))
+    E = torch.zeros(5, 5, dtype=D)
+    E[3, 4] = E[4, 3] = 0.1
+    w = torch.diag(A)
+    assert lowrank_inverse_error(A, E, 2) == pytest.approx(0.054036, abs=5e-7)
+    assert contour_bound(w, 0.1, 2) == pytest.approx(0.40625, abs=1e-12)
+    assert eym_neumann_bound(w, 0.1, 2) == pytest.approx(0.31212, abs=5e-6)
+
+
+def test_no_violation_in_200_random_trials():
+    g = torch.Generator().manual_seed(1)
+    checked = 0
+    for trial in range(200):
+        n = int(torch.randint(6, 30, (1,), generator=g))
+        p = int(torch.randint(1, n - 1, (1,), generator=g))
+        A, _ = _spd(n, trial, torch.sort(torch.rand(n, dtype=D, generator=g) * 10 + 0.1, descending=True).values)
+        w = torch.linalg.eigvalsh(A)
+        if min(w[0], w[p] - w[p - 1]) < 1e-3:
+            continue
+        sigma = max_noise_std(w, p) * float(torch.rand(1, dtype=D, generator=g))
+        E = symmetric_noise(n, sigma, g)
+        e_norm = float(torch.linalg.matrix_norm(E, ord=2))
+        if not gap_condition_holds(w, e_norm, p):
+            continue
+        assert lowrank_inverse_error(A, E, p) <= contour_bound(w, e_norm, p) * (1 + 1e-9)
+        checked += 1
+    assert checked >= 150
+
+
+def test_linearity_and_small_noise_limits():
+    A, _ = _spd(12, 2)
+    w = torch.linalg.eigvalsh(A)
+    E = symmetric_noise(12, 1.0, torch.Generator().manual_seed(3))
+    E = E / torch.linalg.matrix_norm(E, ord=2)
+    ratios = [lowrank_inverse_error(A, t * E, 4) / t for t in (1e-6, 1e-7, 1e-8)]
+    assert ratios[0] == pytest.approx(ratios[2], rel=1e-3)  # error(tE)/t -> constant
+    assert contour_bound(w, 2e-6, 4) == pytest.approx(2 * contour_bound(w, 1e-6, 4), rel=1e-12)
+    lcut = float(torch.sort(w).values[4])
+    assert eym_neumann_bound(w, 1e-12, 4) == pytest.approx(2 / lcut, rel=1e-9)  # does not vanish
+
+
+def test_orthogonal_invariance_and_scaling():
+    A, _ = _spd(10, 4)
+    E = symmetric_noise(10, 1e-4, torch.Generator().manual_seed(5))
+    Q, _ = torch.linalg.qr(torch.randn(10, 10, dtype=D, generator=torch.Generator().manual_seed(6)))
+    err = lowrank_inverse_error(A, E, 3)
+    assert lowrank_inverse_error(Q @ A @ Q.T, Q @ E @ Q.T, 3) == pytest.approx(err, rel=1e-8)
+    assert lowrank_inverse_error(3 * A, 3 * E, 3) == pytest.approx(err / 3, rel=1e-8)
+    w, e = torch.linalg.eigvalsh(A), float(torch.linalg.matrix_norm(E, ord=2))
+    assert contour_bound(3 * w, 3 * e, 3) == pytest.approx(contour_bound(w, e, 3) / 3, rel=1e-12)
+
+
+def test_gap_condition_violation_is_never_a_number():
+    w = torch.tensor([5.0, 4, 3, 2, 1], dtype=D)
+    assert not gap_condition_holds(w, 0.3, 2)
+    with pytest.raises(ValueError, match="gap condition fails"):
+        contour_bound(w, 0.3, 2)
+
+
+def test_bounds_from_partial_eigensolver():
+    A, _ = _spd(300, 7)
+    w_part, _ = smallest_eigenpairs(A, 6)
+    w_full = torch.linalg.eigvalsh(A)
+    torch.testing.assert_close(torch.sort(w_part).values, w_full[:6])
+    assert contour_bound(w_part, 1e-6, 5) == pytest.approx(contour_bound(w_full, 1e-6, 5), rel=1e-9)
+
+
+def test_indefinite_matrix_keeps_smallest_magnitudes():
+    A = torch.diag(torch.tensor([3.0, -0.5, 2.0, 0.25, -4.0], dtype=D))
+    Ap = best_rank_p_inverse(A, 2)
+    torch.testing.assert_close(Ap, torch.diag(torch.tensor([0, -2.0, 0, 4.0, 0], dtype=D)))
+    with pytest.raises(ValueError, match="positive definite.*Theorem 4.1"):
+        contour_bound(torch.diag(A), 1e-3, 2)
+
+
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        (lambda: best_rank_p_inverse(torch.zeros(3, 4, dtype=D), 1), "A must be a square matrix"),
+        (lambda: best_rank_p_inverse(torch.tensor([[1.0, 2.0], [0.0, 1.0]]), 1), "A must be symmetric"),
+        (lambda: best_rank_p_inverse(torch.eye(3), 0), "p=0"),
+        (lambda: best_rank_p_inverse(torch.eye(3) * torch.tensor([3.0, 1.0, 1.0]), 1), "not unique"),
+        (lambda: lowrank_inverse_error(torch.eye(3), torch.zeros(4, 4), 1), "E has shape"),
+        (lambda: lowrank_inverse_error(torch.diag(torch.tensor([float("nan"), 1.0])), torch.zeros(2, 2), 1), "NaN"),
+        (lambda: contour_bound(torch.tensor([3.0, 2.0, 1.0]), 0.01, 3), "p=3"),
+        (lambda: symmetric_noise(3, -1.0), "sigma=-1.0"),
+        (lambda: contour_bound(torch.tensor([3.0, 1.0, 1.0]), 0.0, 1), "not unique"),
+    ],
+)
+def test_bad_inputs(call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call()
+
+
+def test_max_noise_std_formula():
+    w = torch.tensor([9.0, 5.0, 4.0, 1.0], dtype=D)
+    assert max_noise_std(w, 2) == pytest.approx(min(1.0, 1.0) / (8 * math.sqrt(4)))
