@@ -30,6 +30,18 @@ def experiment_configs(parse_only: bool = False) -> list[Path]:
     return [p for p in files if (PARSE_ONLY in p.read_text()) == parse_only]
 
 
+def config_subcommand(config: Path) -> str:
+    """The ``lowrank`` subcommand a config's header says it runs (``# Run: lowrank test ...``), else ``fit``."""
+    for line in config.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if "lowrank " in line:
+            sub = line.split("lowrank ", 1)[1].split()[0]
+            if sub in ("fit", "validate", "test", "predict"):
+                return sub
+    return "fit"
+
+
 def run_cli(*args: Any, run_root: Path) -> int:
     """Run ``lowrank <args>`` in this process with runs written under ``run_root``."""
     from lowrank_lit.cli import main

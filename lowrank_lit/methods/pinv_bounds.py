@@ -28,6 +28,7 @@ import math
 import torch
 
 from lowrank_lit.linalg import check_symmetric, spectral_norm_sym
+from lowrank_lit.registry import register_method
 
 __all__ = [
     "best_rank_p_inverse",
@@ -37,6 +38,7 @@ __all__ = [
     "gap_condition_holds",
     "max_noise_std",
     "symmetric_noise",
+    "PinvBoundStudy",
 ]
 
 
@@ -158,3 +160,143 @@ def symmetric_noise(n: int, sigma: float, generator: torch.Generator | None = No
         raise ValueError(f"sigma={sigma!r}; allowed: a number >= 0")
     G = torch.randn(n, n, dtype=torch.float64, generator=generator)
     return sigma * (G + G.T) / math.sqrt(2.0)
+
+
+# --------------------------------------------------------------------------------------- study driver
+def _slope(x: list[float], y: list[float]) -> float:
+    """Least-squares slope of log y against log x."""
+    lx, ly = torch.log(torch.tensor(x, dtype=torch.float64)), torch.log(torch.tensor(y, dtype=torch.float64))
+    lx = lx - lx.mean()
+    return float((lx * (ly - ly.mean())).sum() / (lx * lx).sum())
+
+
+def _study_base() -> type:
+    import lightning.pytorch as pl
+
+    return pl.LightningModule
+
+
+@register_method("pinv_bounds", kind="Analysis", paper="Perturbation Bounds for Low-Rank Inverse Approximations under Noise")
+class PinvBoundStudy(_study_base()):  # type: ignore[misc]
+    """Parameter-free LightningModule: ``lowrank test --config configs/pinv_bounds/<x>.yaml``.
+
+    Each test batch is one case from :class:`~lowrank_lit.data.matrices.MatrixDataModule`. Per case it
+    logs the actual error, both bounds, their ratios to the error and whether the gap condition
+    holds; at the end it prints a table per (matrix, noise level), the log-log slopes of error and
+    bounds against ``||E||``, the number of bound violations, and saves ``pinv_bounds.csv`` and
+    ``pinv_bounds.png`` (error and bounds vs ``||E||``, one panel per matrix) in the run directory
+    (and the plot to W&B).
+
+    Args:
+        plot: save the log-log plot. Default: True.
+    """
+
+    def __init__(self, plot: bool = True) -> None:
+        super().__init__()
+        self.plot = plot
+        self.rows: list[dict[str, float | str | bool]] = []
+
+    def test_step(self, case: dict, batch_idx: int) -> None:
+        A, E, p = case["A"], case["E"], int(case["p"])
+        w = torch.linalg.eigvalsh(A)
+        e_norm = spectral_norm_sym(E)
+        err = lowrank_inverse_error(A, E, p)
+        holds = gap_condition_holds(w, e_norm, p)
+        contour = contour_bound(w, e_norm, p) if holds else math.nan
+        eym = eym_neumann_bound(w, e_norm, p)
+        row = {"matrix": case["name"], "n": A.shape[0], "p": p, "noise_multiple": float(case["noise_multiple"]),
+               "E_norm": e_norm, "error": err, "contour": contour, "eym_n": eym, "gap_holds": holds,
+               "violation": bool(holds and err > contour * (1 + 1e-9))}
+        self.rows.append(row)
+        self.log_dict({"case/error": err, "case/E_norm": e_norm, "case/gap_holds": float(holds),
+                       "case/contour_ratio": contour / err if holds else math.nan,
+                       "case/eym_ratio": eym / err}, batch_size=1)
+
+    def summary(self) -> tuple[list[dict], dict[str, dict[str, float]]]:
+        """Mean per (matrix, noise level) and the log-log slopes per matrix."""
+        groups: dict[tuple[str, float], list[dict]] = {}
+        for r in self.rows:
+            groups.setdefault((str(r["matrix"]), float(r["noise_multiple"])), []).append(r)
+        table = []
+        for (name, mult), rs in groups.items():
+            mean = {k: sum(float(r[k]) for r in rs) / len(rs) for k in ("E_norm", "error", "contour", "eym_n")}
+            table.append({"matrix": name, "p": rs[0]["p"], "noise_multiple": mult, **mean,
+                          "gap_holds": all(bool(r["gap_holds"]) for r in rs),
+                          "violations": sum(bool(r["violation"]) for r in rs), "draws": len(rs)})
+        slopes = {}
+        for name in dict.fromkeys(str(t["matrix"]) for t in table):
+            ts = [t for t in table if t["matrix"] == name]
+            if len(ts) < 2:
+                continue
+            slopes[name] = {}
+            for k in ("error", "contour", "eym_n"):  # over the levels where the quantity is defined
+                pts = [(float(t["E_norm"]), float(t[k])) for t in ts if math.isfinite(float(t[k])) and float(t[k]) > 0]
+                if len(pts) >= 2:
+                    slopes[name][k] = _slope([a for a, _ in pts], [b for _, b in pts])
+        return table, slopes
+
+    def on_test_epoch_end(self) -> None:
+        table, slopes = self.summary()
+        violations = sum(int(t["violations"]) for t in table)
+        self.log("pinv/violations", float(violations))
+        for name, s in slopes.items():
+            for k, v in s.items():
+                self.log(f"pinv/{name}/slope_{k}", v)
+        if self.trainer.is_global_zero and table:
+            self._report(table, slopes, violations)
+        self.rows = []
+
+    def _report(self, table: list[dict], slopes: dict, violations: int) -> None:
+        import csv
+        import os
+
+        run_dir = self.trainer.default_root_dir
+        with open(os.path.join(run_dir, "pinv_bounds.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(table[0]))
+            writer.writeheader()
+            writer.writerows(table)
+        print(f"{'matrix':14s} {'p':>3s} {'sigma/max':>9s} {'||E||':>9s} {'error':>9s} {'contour':>9s} "
+              f"{'EYM-N':>9s} {'cont/err':>8s} {'eym/err':>8s} gap  viol")
+        for t in table:
+            cr = t["contour"] / t["error"] if math.isfinite(t["contour"]) else math.nan
+            print(f"{t['matrix']:14s} {t['p']:3d} {t['noise_multiple']:9.4g} {t['E_norm']:9.3g} {t['error']:9.3g} "
+                  f"{t['contour']:9.3g} {t['eym_n']:9.3g} {cr:8.3g} {t['eym_n'] / t['error']:8.3g} "
+                  f"{'yes' if t['gap_holds'] else 'no ':4s} {t['violations']}")
+        for name, s in slopes.items():
+            print(f"slopes vs ||E|| {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
+        print(f"bound violations: {violations}")
+        if self.plot:
+            path = os.path.join(run_dir, "pinv_bounds.png")
+            _plot_study(table, path)
+            from lightning.pytorch.loggers import WandbLogger
+
+            for logger in self.trainer.loggers:
+                if isinstance(logger, WandbLogger):
+                    logger.log_image("pinv/plot", [path])
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+def _plot_study(table: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(t["matrix"] for t in table))
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.0), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        ts = sorted((t for t in table if t["matrix"] == name), key=lambda t: t["E_norm"])
+        x = [t["E_norm"] for t in ts]
+        ax.loglog(x, [t["error"] for t in ts], "o-", label="actual")
+        ax.loglog(x, [t["contour"] for t in ts], "s-", label="contour (Thm 2.1)")
+        ax.loglog(x, [t["eym_n"] for t in ts], "^-", label="EYM-N")
+        ax.set_title(f"{name} (p={ts[0]['p']})")
+        ax.set_xlabel("||E||")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("||(A+E)^-1_p - A_p^-1||")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

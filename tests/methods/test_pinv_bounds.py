@@ -140,3 +140,45 @@ def test_bad_inputs(call, needle):
 def test_max_noise_std_formula():
     w = torch.tensor([9.0, 5.0, 4.0, 1.0], dtype=D)
     assert max_noise_std(w, 2) == pytest.approx(min(1.0, 1.0) / (8 * math.sqrt(4)))
+
+
+def test_tail_rule_and_matrices():
+    from lowrank_lit.data.matrices import build_matrix, tail_rule_p
+
+    for name in ("diabetes", "breast_cancer"):
+        assert tail_rule_p(torch.linalg.eigvalsh(build_matrix(name))) == 4  # the card's p
+    H = build_matrix("hamiltonian")
+    assert H.shape == (400, 400) and torch.linalg.matrix_norm(H, ord=2) == pytest.approx(1.0)
+    assert float(torch.linalg.eigvalsh(build_matrix("digits_rbf"))[0]) > 0.1  # + 0.1 I
+
+
+def test_study_on_user_matrix(tmp_path):
+    import lightning.pytorch as pl
+    import numpy as np
+
+    from lowrank_lit.data.matrices import MatrixDataModule
+    from lowrank_lit.methods.pinv_bounds import PinvBoundStudy
+
+    A, _ = _spd(40, 9, torch.linspace(2.0, 0.1, 40, dtype=D) ** 2)
+    np.save(tmp_path / "mine.npy", A.numpy())
+    dm = MatrixDataModule(matrices=[], matrix_files=[str(tmp_path / "mine.npy")], p=5,
+                          noise_multiples=[0.5, 0.05, 0.005], draws=3)
+    study = PinvBoundStudy(plot=True)
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.test(study, dm)
+    assert trainer.callback_metrics["pinv/violations"] == 0
+    assert abs(float(trainer.callback_metrics["pinv/mine/slope_error"]) - 1.0) < 0.1
+    assert abs(float(trainer.callback_metrics["pinv/mine/slope_contour"]) - 1.0) < 1e-6  # exactly linear
+    assert (tmp_path / "pinv_bounds.csv").is_file() and (tmp_path / "pinv_bounds.png").is_file()
+
+
+def test_matrix_datamodule_bad_inputs(tmp_path):
+    from lowrank_lit.data.matrices import MatrixDataModule
+
+    with pytest.raises(ValueError, match="matrices contains 'wine'"):
+        MatrixDataModule(matrices=["wine"])
+    with pytest.raises(ValueError, match="noise_multiples"):
+        MatrixDataModule(noise_multiples=[0.0])
+    with pytest.raises(ValueError, match="does not exist"):
+        MatrixDataModule(matrices=[], matrix_files=[str(tmp_path / "x.npy")]).setup()
