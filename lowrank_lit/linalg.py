@@ -20,7 +20,8 @@ def check_symmetric(A: torch.Tensor, name: str = "A", rtol: float = 1e-10) -> to
     A = A.to(torch.float64)
     if not torch.isfinite(A).all():
         raise ValueError(f"{name} has NaN or Inf entries")
-    scale = float(torch.linalg.matrix_norm(A, ord=2)) if A.numel() else 0.0
+    # Frobenius norm: an O(n^2) upper bound of the spectral norm (an SVD here would cost more than the bound)
+    scale = float(torch.linalg.matrix_norm(A)) if A.numel() else 0.0
     if float((A - A.T).abs().max()) > rtol * max(scale, 1e-300):
         raise ValueError(f"{name} must be symmetric (|{name} - {name}^T| > {rtol:g} * |{name}|)")
     return A

@@ -129,9 +129,10 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     for key, p in params.items():
         _check_param(path, key, p, method)
     command = raw.get("command")
-    if not isinstance(command, list) or ARGS_MACRO not in command or "fit" not in command:
-        raise _fail(path, "command must be [${env}, ${interpreter}, -m, lowrank_lit, fit, --config, <config>, ${args}]")
-    start = command.index("fit")
+    subcommands = [c for c in command or [] if c in ("fit", "validate", "test")] if isinstance(command, list) else []
+    if not isinstance(command, list) or ARGS_MACRO not in command or not subcommands:
+        raise _fail(path, "command must be [${env}, ${interpreter}, -m, lowrank_lit, fit|test, --config, <config>, ${args}]")
+    start = command.index(subcommands[0])
     fit_args = [str(c) for c in command[start:] if c != ARGS_MACRO and not str(c).startswith("${")]
     run_cap = raw.get("run_cap")
     return SweepSpec(path, method, metric["name"], goal, params, fit_args, run_cap, raw)

@@ -182,3 +182,27 @@ def test_matrix_datamodule_bad_inputs(tmp_path):
         MatrixDataModule(noise_multiples=[0.0])
     with pytest.raises(ValueError, match="does not exist"):
         MatrixDataModule(matrices=[], matrix_files=[str(tmp_path / "x.npy")]).setup()
+
+
+@pytest.mark.slow
+def test_must_show_real_matrices(tmp_path):
+    """Issue criterion: no violation; error and contour slopes 1 +/- 0.1; at the smallest noise level
+    EYM-N over-predicts >= 10x more than the contour bound on every matrix where the gap holds."""
+    from lowrank_lit.cli import LowrankCLI
+    from tests.helpers import CONFIGS
+
+    cli = LowrankCLI(args=["test", "--config", str(CONFIGS / "pinv_bounds" / "real_matrices.yaml"),
+                           "--run_root", str(tmp_path)])
+    m = cli.trainer.callback_metrics
+    assert m["pinv/violations"] == 0
+    import csv
+
+    (run,) = list((tmp_path / "pinv_bounds" / "real_matrices").iterdir())
+    table = list(csv.DictReader((run / "pinv_bounds.csv").open()))
+    for name in ("diabetes", "breast_cancer", "digits_rbf", "hamiltonian"):
+        assert abs(float(m[f"pinv/{name}/slope_error"]) - 1) <= 0.1
+        assert abs(float(m[f"pinv/{name}/slope_contour"]) - 1) <= 0.1
+        rows = [r for r in table if r["matrix"] == name]
+        smallest = min(rows, key=lambda r: float(r["noise_multiple"]))
+        if smallest["gap_holds"] == "True":
+            assert float(smallest["eym_n"]) / float(smallest["contour"]) >= 10, name
