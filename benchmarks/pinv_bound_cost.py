@@ -6,7 +6,7 @@ For each n: a random SPD matrix with a geometric spectrum, symmetric Gaussian no
 the gap-condition limit. "bound" = smallest_eigenpairs(A, p+1) (shift-invert Lanczos) + one power
 iteration estimate of ||E|| + contour_bound; "actual" = lowrank_inverse_error (eigh of A and of
 A+E, and of their rank-p inverses' difference). Prints the times, their ratio and the growth
-exponents (log-log slope of time vs n). Target: bound >= 10x cheaper at n = 2000.
+exponents (log-log slope of time vs n); each time is the fastest of ``--repeats`` runs. Target: bound >= 10x cheaper at n = 2000.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[500, 1000, 2000])
     parser.add_argument("--p", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="timings per size; the fastest is kept")
     args = parser.parse_args()
     rows = []
     for n in args.sizes:
@@ -41,13 +42,15 @@ def main() -> None:
         w = torch.logspace(0, -3, n, dtype=torch.float64)
         A = (Q * w) @ Q.T
         E = symmetric_noise(n, 0.1 * max_noise_std(w, args.p), g)
-        t0 = time.perf_counter()
-        vals, _ = smallest_eigenpairs(A, args.p + 1)
-        bound = contour_bound(vals, _power_norm(E), args.p)
-        t_bound = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        err = lowrank_inverse_error(A, E, args.p)
-        t_actual = time.perf_counter() - t0
+        t_bound = t_actual = math.inf
+        for _ in range(args.repeats):  # the fastest of a few runs: the machine's noise only adds time
+            t0 = time.perf_counter()
+            vals, _ = smallest_eigenpairs(A, args.p + 1)
+            bound = contour_bound(vals, _power_norm(E), args.p)
+            t_bound = min(t_bound, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            err = lowrank_inverse_error(A, E, args.p)
+            t_actual = min(t_actual, time.perf_counter() - t0)
         rows.append((n, t_bound, t_actual, err, bound))
         print(f"n={n:5d}  bound {t_bound:7.3f} s  actual {t_actual:7.3f} s  ratio {t_actual / t_bound:6.1f}x  "
               f"(error {err:.3g} <= bound {bound:.3g})", flush=True)

@@ -30,8 +30,10 @@ def check_symmetric(A: torch.Tensor, name: str = "A", rtol: float = 1e-10) -> to
 def smallest_eigenpairs(A: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` eigenpairs of symmetric ``A`` with the smallest ``|lambda|`` (ascending ``|lambda|``).
 
-    Uses ARPACK's shift-invert Lanczos around 0 (``scipy.sparse.linalg.eigsh(sigma=0)``): one LU
-    factorization and a few solves instead of a full ``eigh``. Small matrices fall back to ``eigh``.
+    Positive definite ``A`` (checked with a Cholesky factorization): LAPACK's ``dsyevr`` restricted to
+    the k smallest eigenvalues (``scipy.linalg.eigh(subset_by_index=...)``), which skips most of a full
+    ``eigh``. Indefinite ``A``: ARPACK's shift-invert Lanczos around 0 (``eigsh(sigma=0)``). Small
+    matrices use ``eigh``.
 
     Returns:
         ``(eigvals (k,), eigvecs (n, k))`` in float64.
@@ -44,6 +46,11 @@ def smallest_eigenpairs(A: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
         w, V = torch.linalg.eigh(A)
         order = torch.argsort(w.abs())[:k]
         return w[order], V[:, order]
+    if int(torch.linalg.cholesky_ex(A).info) == 0:  # positive definite: smallest |lambda| = smallest lambda
+        from scipy.linalg import eigh
+
+        w, V = eigh(A.numpy(), subset_by_index=[0, k - 1], driver="evr")
+        return torch.from_numpy(w), torch.from_numpy(V)
     from scipy.sparse.linalg import eigsh
 
     w, V = eigsh(A.numpy(), k=k, sigma=0.0, which="LM")
