@@ -18,7 +18,12 @@ import time
 import torch
 
 from lowrank_lit.linalg import smallest_eigenpairs
-from lowrank_lit.methods.pinv_bounds import contour_bound, lowrank_inverse_error, max_noise_std, symmetric_noise
+from lowrank_lit.methods.pinv_bounds import (
+    contour_bound,
+    lowrank_inverse_error,
+    max_noise_std,
+    symmetric_noise,
+)
 
 
 def _power_norm(E: torch.Tensor, iters: int = 50) -> float:

@@ -6,7 +6,6 @@ noise level given as a multiple of the largest level that keeps the gap conditio
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
