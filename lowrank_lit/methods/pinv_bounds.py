@@ -247,14 +247,11 @@ class PinvBoundStudy(_study_base()):  # type: ignore[misc]
         self.rows = []
 
     def _report(self, table: list[dict], slopes: dict, violations: int) -> None:
-        import csv
         import os
 
-        run_dir = self.trainer.default_root_dir
-        with open(os.path.join(run_dir, "pinv_bounds.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(table[0]))
-            writer.writeheader()
-            writer.writerows(table)
+        from lowrank_lit.report import log_image, save_rows
+
+        save_rows(self.trainer, table, "pinv_bounds.csv")
         print(f"{'matrix':14s} {'p':>3s} {'sigma/max':>9s} {'||E||':>9s} {'error':>9s} {'contour':>9s} "
               f"{'EYM-N':>9s} {'cont/err':>8s} {'eym/err':>8s} gap  viol")
         for t in table:
@@ -266,13 +263,9 @@ class PinvBoundStudy(_study_base()):  # type: ignore[misc]
             print(f"slopes vs ||E|| {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
         print(f"bound violations: {violations}")
         if self.plot:
-            path = os.path.join(run_dir, "pinv_bounds.png")
+            path = os.path.join(self.trainer.default_root_dir, "pinv_bounds.png")
             _plot_study(table, path)
-            from lightning.pytorch.loggers import WandbLogger
-
-            for logger in self.trainer.loggers:
-                if isinstance(logger, WandbLogger):
-                    logger.log_image("pinv/plot", [path])
+            log_image(self.trainer, "pinv/plot", path)
 
     def configure_optimizers(self) -> None:
         return None

@@ -548,22 +548,14 @@ class TruncationEval(Callback):
 
     @staticmethod
     def _report(trainer: Trainer, rows: list[dict[str, float]]) -> None:
-        import csv
         import os
 
-        run_dir = trainer.default_root_dir
-        with open(os.path.join(run_dir, "truncation.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from lowrank_lit.report import log_image, save_rows
+
+        save_rows(trainer, rows, "truncation.csv")
         for logger in trainer.loggers:
             logger.log_metrics({f"trunc/acc@{r['keep_fraction']:g}": r["acc"] for r in rows}, step=trainer.global_step)
-        png = _plot(rows, os.path.join(run_dir, "truncation.png"))
-        from lightning.pytorch.loggers import WandbLogger
-
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_image("trunc/plot", [png])
+        log_image(trainer, "trunc/plot", _plot(rows, os.path.join(trainer.default_root_dir, "truncation.png")))
         print("keep_fraction  kept_params  test_acc")
         for r in rows:
             print(f"{r['keep_fraction']:13.2f}  {r['kept_params']:11.3f}  {r['acc']:.4f}")
