@@ -62,7 +62,6 @@ def render_script(
         extra.append(f"#SBATCH --partition={partition}")
     if account:
         extra.append(f"#SBATCH --account={account}")
-    env_lines = []
     if sweep:
         if array is None or array < 1:
             raise ValueError(f"lowrank submit: --array={array!r}; allowed: an integer >= 1 with --sweep")
@@ -93,7 +92,6 @@ def render_script(
         log_dir=log_dir,
         extra_sbatch="\n".join(extra),
         workdir=shlex.quote(workdir or os.getcwd()),
-        env_lines="\n".join(env_lines),
         launch=launch,
     )
 

@@ -215,6 +215,12 @@ def _decode(v: Any, original: list[Any]) -> Any:
     return v
 
 
+def trial_value(spec: SweepSpec, key: str, stored: Any) -> Any:
+    """A trial's value of ``key`` as the sweep file wrote it (categorical values are stored encoded)."""
+    p = spec.parameters[key]
+    return _decode(stored, _choices(p)) if ("values" in p or "value" in p) else stored
+
+
 def make_sampler(spec: SweepSpec, seed: int | None) -> Any:
     import optuna
 
@@ -310,7 +316,7 @@ def _preset(name: str) -> Path:
 
 
 def run_sweep(
-    sweep_file: str | os.PathLike,
+    sweep_file: str | os.PathLike | SweepSpec,
     *,
     n_trials: int | None = None,
     storage: str | None = None,
@@ -324,7 +330,7 @@ def run_sweep(
     """Run (this worker's share of) a sweep and return the optuna study and this worker's trials.
 
     Args:
-        sweep_file: W&B sweep YAML.
+        sweep_file: W&B sweep YAML (or its loaded :class:`SweepSpec`).
         n_trials: trials for this worker. Default: the grid size (grid), else ``run_cap`` or 10.
         storage: optuna storage shared by workers: ``sqlite:///file.db`` or a ``*.journal`` path.
             Default: in memory (one worker).
@@ -337,7 +343,7 @@ def run_sweep(
     """
     import optuna
 
-    spec = load_sweep(sweep_file)
+    spec = sweep_file if isinstance(sweep_file, SweepSpec) else load_sweep(sweep_file)
     if check:
         check_keys(spec)
     study_name = study_name or spec.path.stem
@@ -399,8 +405,7 @@ def best_config(spec: SweepSpec, study: Any, out_path: Path) -> Path:
     from lowrank_lit.cli import build_parser
 
     best = study.best_trial
-    params = {k: _decode(v, _choices(spec.parameters[k])) if ("values" in spec.parameters[k]) else v
-              for k, v in best.params.items()}
+    params = {k: trial_value(spec, k, v) for k, v in best.params.items()}
     parser = build_parser(spec.fit_args[0])
     cfg = parser.parse_args(spec.fit_args[1:] + overrides_to_args(params))
     cfg.pop("config", None)
@@ -424,8 +429,7 @@ def summary_table(spec: SweepSpec, study: Any) -> str:
     keys = list(spec.parameters)
     lines = ["| trial | state | " + " | ".join(keys) + f" | {spec.metric} |", "|" + "---|" * (len(keys) + 3)]
     for t in done + rest:
-        vals = [format_value(_decode(t.params.get(k), _choices(spec.parameters[k])) if "values" in spec.parameters[k]
-                             else t.params.get(k)) for k in keys]
+        vals = [format_value(trial_value(spec, k, t.params.get(k))) for k in keys]
         value = f"{t.value:.4f}" if t.value is not None else "-"
         lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(vals) + f" | {value} |")
     return "\n".join(lines)
@@ -457,7 +461,7 @@ def main(argv: list[str]) -> int:
         print(f"{spec.path}: ok ({spec.method}, {len(spec.parameters)} parameters, grid size {n})")
         return 0
     seed = opts.seed if opts.seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
-    study, _ = run_sweep(spec.path, n_trials=opts.n_trials, storage=opts.storage, study_name=opts.study_name,
+    study, _ = run_sweep(spec, n_trials=opts.n_trials, storage=opts.storage, study_name=opts.study_name,
                          run_root=opts.run_root, seed=seed, wandb=not opts.no_wandb, extra_args=extra, check=False)
     print()
     print(summary_table(spec, study))

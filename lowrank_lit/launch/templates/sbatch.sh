@@ -16,5 +16,4 @@ set -euo pipefail
 cd {workdir}
 export TQDM_MINITERS=${{TQDM_MINITERS:-50}}   # progress bars print every 50 batches in batch logs
 export PYTHONUNBUFFERED=1
-{env_lines}
 {launch}
