@@ -107,7 +107,7 @@ def tail_rule_p(eigvals: torch.Tensor, tail: float = 0.05) -> int:
 
 
 class MatrixDataModule(pl.LightningDataModule):
-    """Cases ``{name, A, E, p, noise_multiple, draw}`` for :class:`~lowrank_lit.methods.pinv_bounds.PinvBoundStudy`.
+    """Cases ``{name, A, eigvals, E, p, noise_multiple, draw}`` for :class:`~lowrank_lit.methods.pinv_bounds.PinvBoundStudy`.
 
     Args:
         matrices: names from :data:`REAL_MATRICES` and :data:`SYNTHETIC_SPECTRA`. Default: the four real ones.
@@ -162,7 +162,8 @@ class MatrixDataModule(pl.LightningDataModule):
             for mult in self.noise_multiples:
                 for d in range(self.draws):
                     E = symmetric_noise(A.shape[0], mult * sigma_max, g)
-                    self.cases.append({"name": name, "A": A, "E": E, "p": p, "noise_multiple": mult, "draw": d})
+                    self.cases.append({"name": name, "A": A, "eigvals": w, "E": E, "p": p,
+                                       "noise_multiple": mult, "draw": d})
 
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.cases, batch_size=None, shuffle=False, collate_fn=lambda case: case)
