@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 
 import torch
+from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["WarmupCosineLR"]
+__all__ = ["WarmupCosineLR", "matrix_param_groups"]
 
 
 class WarmupCosineLR(LRScheduler):
@@ -66,3 +68,21 @@ class WarmupCosineLR(LRScheduler):
         self._last_lr = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
             group["lr"] = lr
+
+
+def matrix_param_groups(module: nn.Module, dense: tuple[str, ...] | list[str] = ()) -> list[dict]:
+    """Split trainable parameters into the weight matrices a memory-lean optimizer compresses and the rest.
+
+    Returns up to two param groups: the 2-D weights whose names match none of the ``dense`` patterns
+    (fnmatch, e.g. ``"*embed*"``, ``"head_tgt.*"``), tagged ``nano=True, lowrank=True``; and every other
+    trainable parameter (biases, norms, embeddings, heads), tagged ``nano=False, lowrank=False``.
+    NanoAdam and LowRankAdam read these flags; torch optimizers ignore them. Empty groups are dropped.
+    """
+    matrices, rest = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_dense = p.ndim != 2 or any(fnmatch.fnmatch(name, pat) for pat in dense)
+        (rest if is_dense else matrices).append(p)
+    groups = [{"params": matrices, "nano": True, "lowrank": True}, {"params": rest, "nano": False, "lowrank": False}]
+    return [g for g in groups if g["params"]]

@@ -151,3 +151,81 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, shuffle=False)
+
+
+class DigitsSplitDataModule(DigitsDataModule):
+    """Digits split by class for sequential fine-tuning: pretrain on ``source_classes``, fine-tune on ``target_classes``.
+
+    ``train_dataloader`` serves the target classes' training split (labels renumbered 0..T-1);
+    ``source_train_dataloader`` the source classes' (labels 0..S-1, used for pretraining);
+    ``test_dataloader`` returns two loaders, ``[target test, source test]``, so forgetting can be
+    measured through a frozen source head. The underlying split is :class:`DigitsDataModule`'s
+    (stratified, ``split_seed``), with the validation part folded into training.
+
+    Args:
+        source_classes: digits of the pretraining task. Default: [0, 1, 2, 3, 4].
+        target_classes: digits of the fine-tuning task. Default: [5, 6, 7, 8, 9].
+        normalize: standardise pixels (False: pixels / 16 only, the card's choice). Default: False.
+        flatten: flatten images to 64-vectors. Default: True.
+        batch_size: samples per batch. Default: 64.
+        test_fraction: fraction of all samples held out for testing. Default: 0.25.
+        split_seed: seed of the stratified split. Default: 0.
+        num_workers: DataLoader workers. Default: 0.
+    """
+
+    def __init__(
+        self,
+        source_classes: list[int] | None = None,
+        target_classes: list[int] | None = None,
+        normalize: bool = False,
+        flatten: bool = True,
+        batch_size: int = 64,
+        test_fraction: float = 0.25,
+        split_seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(image_size=8, channels=1, normalize=normalize, flatten=flatten, batch_size=batch_size,
+                         num_workers=num_workers, val_fraction=0.01, test_fraction=test_fraction, split_seed=split_seed)
+        self.source_classes = list(range(5)) if source_classes is None else list(source_classes)
+        self.target_classes = list(range(5, 10)) if target_classes is None else list(target_classes)
+        for name, cls in (("source_classes", self.source_classes), ("target_classes", self.target_classes)):
+            if not cls or any(not 0 <= c < _NUM_CLASSES for c in cls) or len(set(cls)) != len(cls):
+                raise ValueError(f"DigitsSplitDataModule: {name}={cls!r}; allowed: distinct digits in 0..9")
+        if set(self.source_classes) & set(self.target_classes):
+            raise ValueError(f"DigitsSplitDataModule: source_classes {self.source_classes} and target_classes {self.target_classes} overlap")
+        self.sets: dict[str, TensorDataset] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.sets:
+            return
+        super().setup(stage)
+        assert self.train_set is not None and self.val_set is not None and self.test_set is not None
+        train_x = torch.cat([self.train_set.tensors[0], self.val_set.tensors[0]])
+        train_y = torch.cat([self.train_set.tensors[1], self.val_set.tensors[1]])
+        test_x, test_y = self.test_set.tensors
+
+        def subset(x: torch.Tensor, y: torch.Tensor, classes: list[int]) -> TensorDataset:
+            keep = torch.isin(y, torch.tensor(classes))
+            relabel = torch.full((_NUM_CLASSES,), -1, dtype=torch.long)
+            relabel[torch.tensor(classes)] = torch.arange(len(classes))
+            return TensorDataset(x[keep], relabel[y[keep]])
+
+        self.sets = {
+            "source_train": subset(train_x, train_y, self.source_classes),
+            "target_train": subset(train_x, train_y, self.target_classes),
+            "source_test": subset(test_x, test_y, self.source_classes),
+            "target_test": subset(test_x, test_y, self.target_classes),
+        }
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.sets["target_train"], shuffle=True)
+
+    def source_train_dataloader(self, generator: torch.Generator | None = None) -> DataLoader:
+        """Shuffled source-class training batches (for pretraining)."""
+        return DataLoader(self.sets["source_train"], batch_size=self.batch_size, shuffle=True, generator=generator)
+
+    def val_dataloader(self) -> list:
+        return []  # no validation loop: the test loaders measure both tasks at the end
+
+    def test_dataloader(self) -> list[DataLoader]:
+        return [self._loader(self.sets["target_test"], shuffle=False), self._loader(self.sets["source_test"], shuffle=False)]
