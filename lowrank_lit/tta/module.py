@@ -1,0 +1,164 @@
+"""``TTAModule``: online test-time adaptation inside ``lowrank test``.
+
+The module wraps a source-trained network (its weights come from the checkpoint of an earlier
+``lowrank fit`` run) and a TTA method given by ``class_path`` (``SourceOnly``, ``Tent``, ``EATA``,
+``CoTTA`` or a plug-in such as ``ReservoirTTA`` around one of them). Every test batch is predicted
+and then adapted on, in stream order. Batches are ``(x, y, domain, recurrence)`` as produced by
+:class:`lowrank_lit.data.corruptions.DigitsCorruptionDataModule`.
+
+Logged: ``test/error`` (running), and at the end ``test/error_mean``, ``test/error_last`` (the last
+recurrence), per-recurrence ``test/error_r<k>`` and, for a plug-in that routes batches to clusters,
+``test/clusters`` (clusters that received batches), ``test/models`` (copies held, the source's included)
+and ``test/purity``. Written to the run directory: ``tta_batches.csv`` (one row per
+batch), ``tta_recurrence.csv`` (error per recurrence) and ``tta_recurrence.png``.
+
+The trainer must run with ``inference_mode: false`` (adaptation needs gradients in ``test``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lowrank_lit.tta.methods import TTAMethod
+
+__all__ = ["TTAModule", "load_backbone", "purity"]
+
+
+def load_backbone(model: nn.Module, ckpt_path: str, prefix: str = "backbone.") -> None:
+    """Load the ``prefix``-ed weights of a Lightning checkpoint (e.g. an ``ImageClassifier``'s) into ``model``."""
+    if not os.path.isfile(ckpt_path):
+        raise FileNotFoundError(f"TTAModule: source_ckpt={ckpt_path!r} does not exist (train the source model first)")
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    state = state.get("state_dict", state)
+    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} or state
+    try:
+        model.load_state_dict(sub)
+    except RuntimeError as err:
+        raise ValueError(f"TTAModule: source_ckpt={ckpt_path!r} does not fit the model: {str(err).splitlines()[0]}") from None
+
+
+def purity(clusters: list[int], domains: list[int]) -> float:
+    """Fraction of batches whose cluster's majority domain is their own domain."""
+    by: dict[int, Counter] = {}
+    for c, d in zip(clusters, domains, strict=True):
+        by.setdefault(c, Counter())[d] += 1
+    return sum(cnt.most_common(1)[0][1] for cnt in by.values()) / max(len(clusters), 1)
+
+
+class TTAModule(pl.LightningModule):
+    """Online test-time adaptation of a source model; see the module docstring.
+
+    Args:
+        model: the network (same architecture as the source run's backbone).
+        method: the TTA method (``lowrank_lit.tta.Tent``, ``...EATA``, ``...CoTTA``, ``...SourceOnly``,
+            ``lowrank_lit.methods.reservoir_tta.ReservoirTTA``).
+        source_ckpt: checkpoint of the source training run; None keeps the model's weights (tests). Default: None.
+        source_batches: clean source batches given to the method at setup (EATA's Fisher, ReservoirTTA's
+            source styles come from the datamodule's ``source_dataloader``). Default: True.
+    """
+
+    def __init__(self, model: nn.Module, method: TTAMethod, source_ckpt: str | None = None, source_batches: bool = True) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["model", "method"], logger=False)
+        self.model = model
+        self.method = method
+        self.automatic_optimization = False
+        self.source_ckpt = source_ckpt
+        self.use_source_batches = source_batches
+        self.rows: list[dict[str, Any]] = []
+        self._ready = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def _prepare(self) -> None:
+        if self._ready:
+            return
+        if self.source_ckpt is not None:
+            load_backbone(self.model, self.source_ckpt)
+        batches = None
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if self.use_source_batches and dm is not None and hasattr(dm, "source_dataloader"):
+            gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
+            batches = _cycle(lambda: dm.source_dataloader(generator=gen))
+        self.method.setup(self.model, batches)
+        self._ready = True
+
+    def on_test_start(self) -> None:
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("TTAModule adapts during `test`: run the trainer with inference_mode=false "
+                               "(config: `trainer: {inference_mode: false}`)")
+        self._prepare()
+        self.rows = []
+
+    def test_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        x, y = batch[0], batch[1]
+        domain = int(batch[2][0]) if len(batch) > 2 else 0
+        rec = int(batch[3][0]) if len(batch) > 3 else 0
+        logits = self.method.forward_and_adapt(x)
+        err = float((logits.argmax(dim=1) != y).float().mean())
+        row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "error": err}
+        cluster = getattr(self.method, "last_cluster", None)
+        if cluster is not None:
+            row["cluster"] = cluster
+        self.rows.append(row)
+        self.log("test/error", err, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(x))
+
+    def on_test_epoch_end(self) -> None:
+        if not self.rows:
+            return
+        recs = sorted({r["recurrence"] for r in self.rows})
+        per_rec = {k: sum(r["error"] for r in self.rows if r["recurrence"] == k) / sum(1 for r in self.rows if r["recurrence"] == k) for k in recs}
+        for k, v in per_rec.items():
+            self.log(f"test/error_r{k}", v)
+        self.log("test/error_mean", sum(r["error"] for r in self.rows) / len(self.rows))
+        self.log("test/error_last", per_rec[recs[-1]])
+        if "cluster" in self.rows[0]:
+            clusters = [r["cluster"] for r in self.rows]
+            self.log("test/clusters", float(len(set(clusters))))  # clusters that received batches
+            if hasattr(self.method, "num_models"):
+                self.log("test/models", float(self.method.num_models))  # reservoir size, source copy included
+            self.log("test/purity", purity(clusters, [r["domain"] for r in self.rows]))
+        self.per_recurrence = per_rec
+        if self.trainer.is_global_zero and self.trainer.loggers and os.path.isdir(self.trainer.default_root_dir):
+            self._save(per_rec)
+
+    def _save(self, per_rec: dict[int, float]) -> None:
+        from lowrank_lit.report import log_image, save_rows
+
+        save_rows(self.trainer, self.rows, "tta_batches.csv")
+        save_rows(self.trainer, [{"recurrence": k, "error": v} for k, v in per_rec.items()], "tta_recurrence.csv")
+        path = plot_recurrence({type(self.method).__name__: per_rec}, os.path.join(self.trainer.default_root_dir, "tta_recurrence.png"))
+        log_image(self.trainer, "tta/recurrence", path)
+
+
+def _cycle(make: Any) -> Any:
+    """Endless batches from a loader factory (re-created when exhausted)."""
+    while True:
+        yield from make()
+
+
+def plot_recurrence(curves: dict[str, dict[int, float]], out: str) -> str:
+    """Error per recurrence, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, per in curves.items():
+        ks = sorted(per)
+        ax.plot([k + 1 for k in ks], [100 * per[k] for k in ks], marker="o", label=name)
+    ax.set_xlabel("recurrence")
+    ax.set_ylabel("error (%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
