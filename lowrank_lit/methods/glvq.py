@@ -1,0 +1,544 @@
+"""GLVQ: grouped lattice vector quantization of Linear weights with Babai rounding.
+
+Zhang, Wu, Wang, Lin, *Learning Grouped Lattice Vector Quantizers for Low-Bit LLM Compression*,
+NeurIPS 2025 (arXiv 2510.20984). The official repository (xzhang9308/GLVQ) holds no code yet.
+
+Each group of ``group_size`` input columns of a weight ``W (m, n)`` gets its own lattice
+``{G z : z in Z^d}`` (generation matrix ``G (d, d)``) and, optionally, a mu-law compander. The group's
+``m x group_size`` weights are cut into ``d``-vectors (row-major: ``d`` consecutive entries of a row,
+inferred), ``Y (d, L)``:
+
+    encode:  z = clamp(round(G^-1 F_mu(w / s)), -2^(b-1), 2^(b-1) - 1)        (Babai rounding, b bits)
+    decode:  w_hat = s * F_mu^-1(G z)         F_mu(w) = sign(w) ln(1 + mu |w|) / ln(1 + mu)
+
+``s = max |W_g|`` when companding (else 1). ``G`` (and ``mu``) minimise the calibration output error
+``||(W_g - W_hat_g) X_g||_F^2 = tr(E H_g E^T)`` with ``H_g = X_g X_g^T`` (only the Gram matrix is needed),
+by alternating Babai rounding (codes fixed, no gradient) and Adam steps on ``G`` (the decode is smooth in
+``G`` for fixed codes: no straight-through estimator), with ``G``'s singular values clamped to
+``[sigma_min, sigma_max]`` and the best iterate kept. ``G`` starts from the best scalar lattice
+``G = s I`` (grid search on the same loss), so GLVQ's calibration error is never above the scalar
+lattice's. ``mu`` is initialised from the group kurtosis (``clip(10 kappa, 10, 255)``, inferred) and
+projected to [10, 255] after every step.
+
+Salience-determined bit allocation (SDBA, from Slim-LLM): with target ``N`` bits, the ``k`` most salient
+groups (salience ``sum_ij w_ij^2 ||X_j||^2``) get ``N+1`` bits, the ``k`` least salient ``N-1``, the rest
+``N``; ``k`` in ``[0, groups/2]`` minimises the layer output error. Storage per layer: codes at ``b_g``
+bits per weight plus one fp16 ``d x d`` matrix and one fp16 ``mu`` per group:
+``sum_g (m * group_size * b_g) + groups * (d^2 + 1) * 16`` bits.
+
+Baselines in this module: per-group RTN (min-max uniform per row and column group) and the best scalar
+lattice (``G = s I``). Inferred choices (the paper leaves them open) are marked "inferred".
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowrank_lit.registry import register_method
+
+__all__ = [
+    "mulaw",
+    "mulaw_inv",
+    "babai_round",
+    "rtn_quantize",
+    "GroupResult",
+    "quantize_group",
+    "salience_bit_allocation",
+    "storage_bits",
+    "GLVQLinear",
+    "quantize_linear",
+    "GLVQ",
+]
+
+PAPER = "Learning Grouped Lattice Vector Quantizers for Low-Bit LLM Compression (GLVQ)"
+METHODS = ("glvq", "scalar", "rtn")
+
+
+def mulaw(x: torch.Tensor, mu: torch.Tensor | float) -> torch.Tensor:
+    """``F_mu(x) = sign(x) ln(1 + mu |x|) / ln(1 + mu)`` (maps [-1, 1] onto [-1, 1])."""
+    mu = torch.as_tensor(mu, dtype=x.dtype)
+    return torch.sign(x) * torch.log1p(mu * x.abs()) / torch.log1p(mu)
+
+
+def mulaw_inv(v: torch.Tensor, mu: torch.Tensor | float) -> torch.Tensor:
+    """``F_mu^-1(v) = sign(v) ((1 + mu)^|v| - 1) / mu``."""
+    mu = torch.as_tensor(mu, dtype=v.dtype)
+    return torch.sign(v) * torch.expm1(v.abs() * torch.log1p(mu)) / mu
+
+
+def _check_bits(bits: int) -> None:
+    if not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"GLVQ: bits={bits!r}; allowed: an integer in [1, 8]")
+
+
+def babai_round(G: torch.Tensor, Y: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+    """Babai rounding ``z = round(G^-1 Y)``, clamped to ``[-2^(b-1), 2^(b-1) - 1]`` when ``bits`` is given.
+
+    Args:
+        G: ``(d, d)`` generation matrix.
+        Y: ``(d, L)`` points.
+        bits: code width; None: no clamp.
+    """
+    Z = torch.round(torch.linalg.solve(G, Y))
+    if bits is not None:
+        _check_bits(bits)
+        Z = Z.clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return Z
+
+
+def rtn_quantize(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Round-to-nearest per (row, column group): min-max uniform with ``2^bits`` levels. Returns W_hat."""
+    _check_bits(bits)
+    m, n = W.shape
+    if n % group_size:
+        raise ValueError(f"rtn_quantize: group_size={group_size} does not divide in_features={n}")
+    Wg = W.reshape(m, n // group_size, group_size)
+    lo, hi = Wg.amin(dim=2, keepdim=True), Wg.amax(dim=2, keepdim=True)
+    step = (hi - lo).clamp_min(1e-12) / (2**bits - 1)
+    return (torch.round((Wg - lo) / step).clamp(0, 2**bits - 1) * step + lo).reshape(m, n)
+
+
+def _to_vectors(Wg: torch.Tensor, d: int) -> torch.Tensor:
+    return Wg.reshape(-1, d).T  # (m, n_g) -> (d, L): d consecutive entries of a row per vector
+
+
+def _from_vectors(Y: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    return Y.T.reshape(shape)
+
+
+def _loss(E: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    return torch.trace(E @ H @ E.T)  # ||E X||_F^2 with H = X X^T
+
+
+@dataclass
+class GroupResult:
+    """The quantized form of one column group."""
+
+    codes: torch.Tensor  # (d, L) integers
+    G: torch.Tensor  # (d, d)
+    mu: float  # 0 = no companding
+    scale: float
+    bits: int
+    loss: float  # calibration output error ||(W_g - W_hat_g) X_g||^2
+    init_loss: float = float("nan")
+    history: list[float] = field(default_factory=list)
+
+    def decode(self, shape: tuple[int, int]) -> torch.Tensor:
+        return _decode(self.G, self.codes, self.mu, self.scale, shape)
+
+
+def _decode(G: torch.Tensor, Z: torch.Tensor, mu: Any, scale: float, shape: tuple[int, int]) -> torch.Tensor:
+    V = G @ Z  # (d, L)
+    if isinstance(mu, torch.Tensor) or mu:
+        V = mulaw_inv(V, mu)
+    return scale * _from_vectors(V, shape)
+
+
+def _encode(G: torch.Tensor, Wg: torch.Tensor, mu: Any, scale: float, d: int, bits: int) -> torch.Tensor:
+    Y = _to_vectors(Wg / scale, d)
+    if isinstance(mu, torch.Tensor) or mu:
+        Y = mulaw(Y, mu)
+    return babai_round(G, Y, bits)
+
+
+def _kurtosis(w: torch.Tensor) -> float:
+    w = w.reshape(-1).double()
+    c = w - w.mean()
+    return float((c**4).mean() / (c**2).mean().clamp_min(1e-30) ** 2)
+
+
+def quantize_group(
+    Wg: torch.Tensor,
+    H: torch.Tensor,
+    bits: int,
+    dim: int = 8,
+    method: str = "glvq",
+    compand: bool = False,
+    steps: int = 200,
+    lr: float = 1e-2,
+    lam: float = 0.0,
+    sigma_range: tuple[float, float] = (1e-4, 1e4),
+    scale_grid: int = 64,
+) -> GroupResult:
+    """Quantize one column group ``Wg (m, n_g)`` against its calibration Gram matrix ``H (n_g, n_g)``.
+
+    ``method``: ``scalar`` (best ``G = s I``, s grid-searched on the loss) or ``glvq`` (scalar init, then
+    alternating Babai / Adam on ``G`` (and ``mu`` with ``compand``), singular values clamped to
+    ``sigma_range``, best iterate kept). ``lam`` weighs ``||G - G_0||_F^2``. Adam's step is ``lr`` times
+    the scalar lattice's step size s (inferred: the paper gives no optimiser settings).
+    """
+    _check_bits(bits)
+    if method not in ("glvq", "scalar"):
+        raise ValueError(f"quantize_group: method={method!r}; allowed: glvq, scalar")
+    # callable from evaluation hooks (Lightning's test loop runs in inference mode): optimise with autograd on
+    with torch.inference_mode(False), torch.enable_grad():
+        return _quantize_group(Wg.clone(), H.clone(), bits, dim, method, compand, steps, lr, lam, sigma_range, scale_grid)
+
+
+def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, method: str, compand: bool, steps: int,
+                    lr: float, lam: float, sigma_range: tuple[float, float], scale_grid: int) -> GroupResult:
+    m, ng = Wg.shape
+    if (m * ng) % dim:
+        raise ValueError(f"GLVQ: dim={dim} does not divide the group's m * group_size = {m} * {ng}")
+    if not bool(torch.isfinite(Wg).all()) or not bool(torch.isfinite(H).all()):
+        raise ValueError("GLVQ: non-finite weights or calibration activations")
+    Wg, H = Wg.double(), H.double()
+    scale = float(Wg.abs().max().clamp_min(1e-12)) if compand else 1.0
+    mu0 = min(max(10.0 * _kurtosis(Wg), 10.0), 255.0) if compand else 0.0
+    eye = torch.eye(dim, dtype=torch.float64)
+
+    def loss_of(G: torch.Tensor, mu: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        Z = _encode(G.detach(), Wg, mu.detach() if isinstance(mu, torch.Tensor) else mu, scale, dim, bits)
+        return _loss(Wg - _decode(G, Z, mu, scale, (m, ng)), H), Z
+
+    # best scalar lattice: G = s I on a grid of step sizes
+    ref = float(Wg.abs().max() / scale)
+    ref = mulaw(torch.tensor(ref), mu0).item() if compand else ref
+    best_s, best = None, math.inf
+    for s in torch.linspace(ref / 2 ** (bits + 2), 2 * ref / max(2 ** (bits - 1) - 0.5, 0.5), scale_grid).tolist():
+        val = float(loss_of(s * eye, mu0)[0])
+        if val < best:
+            best_s, best = s, val
+    G0 = best_s * eye
+    loss0, Z0 = loss_of(G0, mu0)
+    if method == "scalar":
+        return GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0))
+    G = G0.clone().requires_grad_(True)
+    log_mu = torch.tensor(math.log(mu0), dtype=torch.float64, requires_grad=True) if compand else None
+    opt = torch.optim.Adam([G] + ([log_mu] if log_mu is not None else []), lr=lr * max(best_s, 1e-8) if lr else 1e-3)
+    best_state = (G0.clone(), mu0, Z0, float(loss0))
+    history = [float(loss0)]
+    for _ in range(steps):
+        mu = log_mu.exp() if log_mu is not None else 0.0
+        loss, Z = loss_of(G, mu)
+        total = loss + lam * ((G - G0) ** 2).sum() if lam else loss
+        opt.zero_grad()
+        total.backward()
+        opt.step()
+        with torch.no_grad():
+            U, S, Vh = torch.linalg.svd(G)
+            G.copy_(U @ torch.diag(S.clamp(*sigma_range)) @ Vh)  # spectral clamp
+            if log_mu is not None:
+                log_mu.clamp_(math.log(10.0), math.log(255.0))
+        mu_now = float(log_mu.detach().exp()) if log_mu is not None else 0.0
+        val, Zn = loss_of(G.detach(), mu_now)
+        history.append(float(val))
+        if float(val) < best_state[3]:
+            best_state = (G.detach().clone(), mu_now, Zn, float(val))
+    Gb, mub, Zb, lb = best_state
+    if torch.linalg.cond(Gb) > 1e8:
+        raise ValueError(f"GLVQ: the generation matrix became ill-conditioned (cond {float(torch.linalg.cond(Gb)):.3g} > 1e8)")
+    return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history)
+
+
+def salience_bit_allocation(saliences: torch.Tensor, avg_bits: int, error_of: Any = None) -> torch.Tensor:
+    """Bits per group in {N-1, N, N+1} with as many N+1 as N-1 groups (mean exactly N).
+
+    The ``k`` most salient groups get N+1, the ``k`` least salient N-1; ``k`` in ``[0, groups // 2]``
+    minimises ``error_of(bits)`` (uniform when ``error_of`` is None or all saliences are equal).
+    """
+    if avg_bits < 2:
+        raise ValueError(f"salience_bit_allocation: avg_bits={avg_bits!r}; allowed: >= 2 (groups get N-1 >= 1 bits)")
+    n = len(saliences)
+    order = torch.argsort(saliences, descending=True, stable=True)
+    uniform = torch.full((n,), avg_bits, dtype=torch.long)
+    if error_of is None or bool((saliences == saliences[0]).all()):
+        return uniform
+    best, best_err = uniform, float(error_of(uniform))
+    for k in range(1, n // 2 + 1):
+        bits = uniform.clone()
+        bits[order[:k]] = avg_bits + 1
+        bits[order[n - k :]] = avg_bits - 1
+        err = float(error_of(bits))
+        if err < best_err:
+            best, best_err = bits, err
+    return best
+
+
+def storage_bits(out_features: int, group_size: int, bits: torch.Tensor, dim: int) -> int:
+    """``sum_g out * group_size * b_g + groups * (d^2 + 1) * 16`` bits (codes + fp16 G and mu per group)."""
+    return int(out_features * group_size * int(bits.sum()) + len(bits) * (dim * dim + 1) * 16)
+
+
+class GLVQLinear(nn.Module):
+    """A Linear layer stored as lattice codes: ``W_hat = s F_mu^-1(G z)`` per column group, decoded once and cached.
+
+    Buffers: ``codes (groups, d, L)`` int8, ``G (groups, d, d)``, ``mu (groups,)`` (0 = no companding),
+    ``scale (groups,)``, ``bits (groups,)``; ``bias`` as in the original layer. ``state_dict`` holds only
+    these (and the bias), so a saved quantized model reloads into ``GLVQLinear(in, out, ...)`` exactly.
+
+    Args:
+        in_features: input width.
+        out_features: output width.
+        group_size: columns per group.
+        dim: lattice dimension d.
+        bias: keep a bias. Default: True.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, dim: int, bias: bool = True) -> None:
+        super().__init__()
+        if in_features % group_size:
+            raise ValueError(f"GLVQLinear: group_size={group_size} does not divide in_features={in_features}")
+        if (out_features * group_size) % dim:
+            raise ValueError(f"GLVQLinear: dim={dim} does not divide out_features * group_size = {out_features * group_size}")
+        n_groups, L = in_features // group_size, out_features * group_size // dim
+        self.in_features, self.out_features, self.group_size, self.dim = in_features, out_features, group_size, dim
+        self.register_buffer("codes", torch.zeros(n_groups, dim, L, dtype=torch.int8))
+        self.register_buffer("G", torch.zeros(n_groups, dim, dim))
+        self.register_buffer("mu", torch.zeros(n_groups))
+        self.register_buffer("scale", torch.ones(n_groups))
+        self.register_buffer("bits", torch.zeros(n_groups, dtype=torch.long))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self._cache: torch.Tensor | None = None
+        self._register_load_state_dict_pre_hook(lambda *a, **k: self._drop_cache())
+
+    def _drop_cache(self) -> None:
+        self._cache = None
+
+    def set_groups(self, results: list[GroupResult]) -> None:
+        with torch.no_grad():
+            for g, r in enumerate(results):
+                self.codes[g] = r.codes.to(torch.int8)
+                self.G[g] = r.G.float()
+                self.mu[g] = float(r.mu)
+                self.scale[g] = float(r.scale)
+                self.bits[g] = r.bits
+        self._cache = None
+
+    def weight_hat(self) -> torch.Tensor:
+        """The decoded ``(out, in)`` weight (cached until the buffers are reloaded)."""
+        if self._cache is None:
+            cols = []
+            for g in range(self.codes.shape[0]):
+                mu = float(self.mu[g])
+                cols.append(_decode(self.G[g].double(), self.codes[g].double(), mu, float(self.scale[g]),
+                                    (self.out_features, self.group_size)))
+            self._cache = torch.cat(cols, dim=1).to(self.G.dtype)
+        return self._cache
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_hat().to(x.dtype), self.bias)
+
+    def storage_bits(self) -> int:
+        return storage_bits(self.out_features, self.group_size, self.bits, self.dim)
+
+
+def quantize_linear(
+    linear: nn.Linear,
+    X: torch.Tensor,
+    bits: int,
+    group_size: int = 32,
+    dim: int = 8,
+    method: str = "glvq",
+    compand: bool = False,
+    sdba: bool = False,
+    steps: int = 200,
+) -> tuple[nn.Module, dict[str, float]]:
+    """Quantize ``linear`` with calibration inputs ``X (N, in_features)``.
+
+    Returns ``(layer, report)``: a :class:`GLVQLinear` (``glvq``/``scalar``) or an ``nn.Linear`` holding the
+    RTN weights (``rtn``), and ``{"rel_error", "bits_per_weight", "avg_code_bits"}`` where ``rel_error`` =
+    ``||(W - W_hat) X^T||^2 / ||W X^T||^2``.
+    """
+    if isinstance(linear, GLVQLinear):
+        raise ValueError("GLVQ: this layer is already quantized")
+    if method not in METHODS:
+        raise ValueError(f"GLVQ: method={method!r}; allowed: {', '.join(METHODS)}")
+    _check_bits(bits)
+    W = linear.weight.detach().double()
+    m, n = W.shape
+    if X.ndim != 2 or X.shape[1] != n:
+        raise ValueError(f"GLVQ: calibration X must be (N, in_features={n}), got {tuple(X.shape)}")
+    if n % group_size:
+        raise ValueError(f"GLVQ: group_size={group_size} does not divide in_features={n} (pad the layer or pick another size)")
+    if not bool(torch.isfinite(W).all()) or not bool(torch.isfinite(X).all()):
+        raise ValueError("GLVQ: non-finite weights or calibration activations")
+    Xd = X.double()
+    H = Xd.T @ Xd  # (n, n)
+    ref = float(_loss(W, H))
+    if method == "rtn":
+        What = rtn_quantize(W, bits, group_size)
+        layer = nn.Linear(n, m, bias=linear.bias is not None)
+        with torch.no_grad():
+            layer.weight.copy_(What.float())
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer, {"rel_error": float(_loss(W - What, H)) / ref, "bits_per_weight": float(bits) + 32 / group_size,
+                       "avg_code_bits": float(bits)}
+    groups = n // group_size
+    sl = [slice(g * group_size, (g + 1) * group_size) for g in range(groups)]
+
+    def run(bits_per_group: list[int]) -> list[GroupResult]:
+        return [quantize_group(W[:, s], H[s, s], b, dim, method, compand, steps) for s, b in zip(sl, bits_per_group, strict=True)]
+
+    if sdba:
+        cache: dict[tuple[int, int], GroupResult] = {}
+
+        def result(g: int, b: int) -> GroupResult:
+            if (g, b) not in cache:
+                cache[(g, b)] = quantize_group(W[:, sl[g]], H[sl[g], sl[g]], b, dim, method, compand, steps)
+            return cache[(g, b)]
+
+        def error_of(alloc: torch.Tensor) -> float:
+            What = torch.cat([result(g, int(b)).decode((m, group_size)) for g, b in enumerate(alloc)], dim=1)
+            return float(_loss(W - What, H))
+
+        sal = torch.stack([(W[:, s] ** 2 * Xd[:, s].pow(2).sum(0)).sum() for s in sl])
+        alloc = salience_bit_allocation(sal, bits, error_of)
+        results = [result(g, int(b)) for g, b in enumerate(alloc)]
+    else:
+        results = run([bits] * groups)
+    layer = GLVQLinear(n, m, group_size, dim, bias=linear.bias is not None)
+    layer.set_groups(results)
+    if linear.bias is not None:
+        with torch.no_grad():
+            layer.bias.copy_(linear.bias)
+    What = layer.weight_hat().double()
+    return layer, {"rel_error": float(_loss(W - What, H)) / ref, "bits_per_weight": layer.storage_bits() / (m * n),
+                   "avg_code_bits": float(layer.bits.float().mean())}
+
+
+@register_method("glvq", kind="Callback", paper=PAPER)
+class GLVQ(pl.Callback):
+    """Post-training quantization at the start of ``lowrank test``: calibrate, quantize, evaluate, save.
+
+    Collects the inputs of the layers matching ``targets`` on ``calib_batches`` training batches
+    (forward hooks), replaces each by its quantized version (:func:`quantize_linear`), writes
+    ``quantization.csv`` (per layer: relative output error, bits per weight) and the quantized
+    ``state_dict`` (``quantized.pt``) to the run directory; the test loop then evaluates the quantized
+    model. Run it on a trained checkpoint: ``lowrank test --config ... --ckpt_path <fit run>/last.ckpt``.
+
+    Args:
+        targets: module-name patterns of the Linear layers to quantize.
+        method: ``glvq``, ``scalar`` (best scalar lattice) or ``rtn``. Default: glvq.
+        bits: bits per weight (the average with ``sdba``). Default: 2.
+        group_size: input columns per group. Default: 32 (card's CPU setting; the paper uses 128).
+        dim: lattice dimension d. Default: 8.
+        compand: learn a mu-law compander per group. Default: False.
+        sdba: salience-determined N-1 / N / N+1 bit allocation. Default: False.
+        steps: optimisation steps per group. Default: 200.
+        calib_batches: training batches whose activations calibrate. Default: 8 (512 images at batch 64).
+    """
+
+    def __init__(self, targets: list[str], method: str = "glvq", bits: int = 2, group_size: int = 32, dim: int = 8,
+                 compand: bool = False, sdba: bool = False, steps: int = 200, calib_batches: int = 8) -> None:
+        if method not in METHODS:
+            raise ValueError(f"GLVQ: method={method!r}; allowed: {', '.join(METHODS)}")
+        _check_bits(bits)
+        if sdba and bits < 2:
+            raise ValueError(f"GLVQ: bits={bits} with sdba; allowed: >= 2")
+        if calib_batches < 1:
+            raise ValueError(f"GLVQ: calib_batches={calib_batches!r}; allowed: >= 1")
+        self.targets, self.method, self.bits, self.group_size, self.dim = list(targets), method, bits, group_size, dim
+        self.compand, self.sdba, self.steps, self.calib_batches = compand, sdba, steps, calib_batches
+        self.report: list[dict[str, Any]] = []
+
+    def _layers(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        found = [(n, m) for n, m in module.named_modules() if any(fnmatch.fnmatch(n, p) for p in self.targets)]
+        if not found:
+            raise ValueError(f"GLVQ: targets {self.targets} match no module")
+        for n, m in found:
+            if isinstance(m, GLVQLinear):
+                raise ValueError(f"GLVQ: {n!r} is already quantized")
+            if not isinstance(m, nn.Linear):
+                raise ValueError(f"GLVQ: {n!r} is a {type(m).__name__}, not an nn.Linear")
+        return found
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        layers = self._layers(pl_module)
+        inputs: dict[str, list[torch.Tensor]] = {n: [] for n, _ in layers}
+        hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: inputs[n].append(inp[0].detach().reshape(-1, inp[0].shape[-1])))
+                 for n, m in layers]
+        dm = trainer.datamodule
+        dm.setup("fit")
+        with torch.no_grad():
+            for i, (x, *_rest) in enumerate(dm.train_dataloader()):
+                if i >= self.calib_batches:
+                    break
+                pl_module(x.to(pl_module.device))
+        for h in hooks:
+            h.remove()
+        self.report = []
+        for name, lin in layers:
+            X = torch.cat(inputs[name])
+            q, rep = quantize_linear(lin, X, self.bits, self.group_size, self.dim, self.method, self.compand, self.sdba, self.steps)
+            parent = pl_module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else pl_module
+            setattr(parent, name.rsplit(".", 1)[-1], q.to(pl_module.device))
+            self.report.append({"layer": name, **rep})
+        for logger in trainer.loggers:
+            logger.log_metrics({f"glvq/{r['layer']}/{k}": r[k] for r in self.report for k in ("rel_error", "bits_per_weight")}, step=0)
+        if trainer.is_global_zero and trainer.loggers and os.path.isdir(trainer.default_root_dir):
+            from lowrank_lit.report import save_rows
+
+            save_rows(trainer, self.report, "quantization.csv")
+            torch.save(pl_module.state_dict(), os.path.join(trainer.default_root_dir, "quantized.pt"))
+
+
+def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
+    """Method, bits, per-layer relative error, bits per weight and test accuracy of quantization runs."""
+    import csv
+
+    import yaml
+
+    rows = []
+    for d in run_dirs:
+        with open(os.path.join(d, "config.yaml")) as f:
+            cfg = yaml.safe_load(f)
+        cb = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith(".GLVQ")][0]["init_args"]
+        with open(os.path.join(d, "quantization.csv")) as f:
+            layers = list(csv.DictReader(f))
+        with open(os.path.join(d, "metrics.csv")) as f:
+            acc = [float(r["test/acc"]) for r in csv.DictReader(f) if r.get("test/acc")]
+        label = cb.get("method", "glvq") + (" + mu-law" if cb.get("compand") else "") + (" + SDBA" if cb.get("sdba") else "")
+        rows.append({"method": label, "bits": cb.get("bits", 2), "errors": [float(r["rel_error"]) for r in layers],
+                     "bits_per_weight": float(layers[0]["bits_per_weight"]), "acc": acc[-1] if acc else float("nan")})
+    return sorted(rows, key=lambda r: (r["bits"], r["method"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lowrank_lit.methods.glvq RUN_DIR_OR_FOLDER... [--out errors.png]``: table (and plot)."""
+    import argparse
+    import glob
+
+    parser = argparse.ArgumentParser(description="Summarize GLVQ / scalar-lattice / RTN quantization runs.")
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    dirs = sorted(os.path.dirname(p) for r in args.runs for p in glob.glob(os.path.join(r, "**", "quantization.csv"), recursive=True))
+    if not dirs:
+        raise SystemExit(f"no quantization run under {args.runs}")
+    rows = summarize(dirs)
+    print("| bits | method | rel. output error, layer 1 | layer 2 | stored bits / weight | test acc |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['bits']} | {r['method']} | {r['errors'][0]:.4f} | {r['errors'][-1]:.4f} | {r['bits_per_weight']:.3f} | {r['acc']:.4f} |")
+    if args.out:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7.5, 3.8))
+        labels = [f"{r['method']}\n{r['bits']} bit" for r in rows]
+        for j in range(len(rows[0]["errors"])):
+            ax.bar([i + 0.4 * j for i in range(len(rows))], [r["errors"][j] for r in rows], width=0.4, label=f"layer {j + 1}")
+        ax.set_xticks([i + 0.2 for i in range(len(rows))])
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("relative output error")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.out, dpi=120)
+        print(args.out)
+
+
+if __name__ == "__main__":
+    main()
