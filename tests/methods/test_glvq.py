@@ -259,3 +259,18 @@ def test_must_show_digits_mlp(tmp_path):
     assert max(g / s for g, s in zip(res["glvq2"][0], res["scalar2"][0], strict=True)) <= 0.9, res
     assert res["glvq2"][1] >= res["rtn2"][1], res
     assert res["glvq3"][1] >= res["rtn3"][1], res
+
+
+def test_char_lm_config_runs(tmp_path):
+    import csv
+
+    from tests.helpers import CONFIGS, run_cli
+
+    assert run_cli("fit", "--config", CONFIGS / "is_lowrank" / "char_lm_adamw.yaml", "--trainer.max_steps=2",
+                   "--trainer.limit_val_batches=1", "--data.init_args.max_bytes=20000", "--run_id", "fp", run_root=tmp_path) == 0
+    ckpt = tmp_path / "is_lowrank" / "char_lm_adamw" / "fp" / "checkpoints" / "last.ckpt"
+    assert run_cli("test", "--config", CONFIGS / "glvq" / "char_lm_2bit.yaml", f"--ckpt_path={ckpt}",
+                   "--trainer.callbacks.init_args.steps=2", "--trainer.callbacks.init_args.calib_batches=1",
+                   "--trainer.limit_test_batches=1", "--data.init_args.max_bytes=20000", "--run_id", "q", run_root=tmp_path) == 0
+    with open(tmp_path / "glvq" / "char_lm_2bit" / "q" / "quantization.csv") as f:
+        assert len(list(csv.DictReader(f))) == 14  # 2 layers x (q, k, v, o, gate, up, down)
