@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["WarmupCosineLR", "matrix_param_groups"]
+__all__ = ["WarmupCosineLR", "matrix_param_groups", "SeededOptimizer"]
 
 
 class WarmupCosineLR(LRScheduler):
@@ -86,3 +88,55 @@ def matrix_param_groups(module: nn.Module, dense: tuple[str, ...] | list[str] = 
         (rest if is_dense else matrices).append(p)
     groups = [{"params": matrices, "nano": True, "lowrank": True}, {"params": rest, "nano": False, "lowrank": False}]
     return [g for g in groups if g["params"]]
+
+
+class SeededOptimizer(torch.optim.Optimizer):
+    """Base of the framework's Adam-type optimizers that draw random numbers and keep non-float state.
+
+    * ``self.generator`` is seeded with ``seed``, or with the run seed (``torch.initial_seed()``, the same
+      on every DDP rank after ``seed_everything``) when ``seed`` is None; its state travels in
+      ``state_dict()`` so a resumed run draws the same numbers.
+    * ``load_state_dict`` keeps integer and boolean state tensors (index sets, masks) in their saved
+      dtype: torch would cast every state tensor to its parameter's floating dtype.
+    * :meth:`check_adam` validates the Adam hyperparameters of a param group; :meth:`state_bytes`
+      reports the memory held in the state.
+    """
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int | None = None) -> None:
+        self.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63 if seed is None else seed)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def check_adam(g: dict[str, Any], where: str) -> None:
+        """``lr >= 0``, ``betas`` in [0, 1), ``eps > 0``, ``weight_decay >= 0`` (error names the argument)."""
+        if not g["lr"] >= 0:
+            raise ValueError(f"{where}: lr={g['lr']!r}; allowed: >= 0")
+        b1, b2 = g["betas"]
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"{where}: betas={tuple(g['betas'])!r}; allowed: both in [0, 1)")
+        if not g["eps"] > 0:
+            raise ValueError(f"{where}: eps={g['eps']!r}; allowed: > 0")
+        if not g["weight_decay"] >= 0:
+            raise ValueError(f"{where}: weight_decay={g['weight_decay']!r}; allowed: >= 0")
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["generator_state"] = self.generator.get_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        exact = {pid: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
+                 for pid, st in state_dict["state"].items()}
+        gen_state = state_dict.get("generator_state")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "generator_state"})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params, strict=True):
+            for key, value in exact.get(pid, {}).items():
+                self.state[p][key] = value.to(p.device)
+        if gen_state is not None:
+            self.generator.set_state(gen_state)
+
+    def state_bytes(self) -> int:
+        """Bytes held in the optimizer state (every state tensor)."""
+        return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor))

@@ -35,6 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
 
 __all__ = [
@@ -89,7 +90,7 @@ def effective_rank(matrix: torch.Tensor, energy: float = 0.9) -> int:
 
 
 @register_method("is_lowrank", kind="Optimizer", paper=PAPER)
-class LowRankAdam(torch.optim.Optimizer):
+class LowRankAdam(SeededOptimizer):
     """Adam whose moments live in an r-dimensional projection of each weight matrix's gradient.
 
     Groups with ``lowrank=True`` (the default) must hold only 2-D tensors; others (embeddings, head,
@@ -128,21 +129,14 @@ class LowRankAdam(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, rank=rank,
             update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type, selector=selector, lowrank=True,
         )
-        self.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63 if seed is None else seed)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, seed)
         for group in self.param_groups:
             self._check(group)
 
     @staticmethod
     def _check(g: dict[str, Any]) -> None:
         where = "LowRankAdam"
-        if not g["lr"] >= 0:
-            raise ValueError(f"{where}: lr={g['lr']!r}; allowed: >= 0")
-        b1, b2 = g["betas"]
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"{where}: betas={tuple(g['betas'])!r}; allowed: both in [0, 1)")
-        if not g["eps"] > 0 or not g["weight_decay"] >= 0:
-            raise ValueError(f"{where}: eps={g['eps']!r}, weight_decay={g['weight_decay']!r}; allowed: eps > 0, weight_decay >= 0")
+        SeededOptimizer.check_adam(g, where)
         if not g["lowrank"]:
             return
         if not (isinstance(g["update_proj_gap"], int) and g["update_proj_gap"] >= 1):
@@ -222,21 +216,6 @@ class LowRankAdam(torch.optim.Optimizer):
                     p.add_(p, alpha=-lr * wd)
                 state["step"] = t
         return loss
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["generator_state"] = self.generator.get_state()
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        gen_state = state_dict.get("generator_state")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "generator_state"})
-        if gen_state is not None:
-            self.generator.set_state(gen_state)
-
-    def state_bytes(self) -> int:
-        """Bytes held in the optimizer state (moments and projectors)."""
-        return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
 
 class SubspaceOverlap(pl.Callback):

@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
 
 __all__ = ["NanoAdam", "bottom_k_mask", "select_indices", "kept_count", "grad_weight_correlation", "GradWeightCorrelation"]
@@ -46,7 +47,6 @@ __all__ = ["NanoAdam", "bottom_k_mask", "select_indices", "kept_count", "grad_we
 PAPER = "Pay Attention to Small Weights (NanoAdam)"
 SELECTORS = ("smallest", "random", "largest")
 SCHEDULES = ("constant", "linear", "cosine")
-_INT_STATE = ("idx", "mask")
 
 
 def kept_count(numel: int, density: float) -> int:
@@ -92,7 +92,7 @@ def _schedule(kind: str, start: float, end: float, t: int, total: int) -> float:
 
 
 @register_method("nanoadam", kind="Optimizer", paper=PAPER)
-class NanoAdam(torch.optim.Optimizer):
+class NanoAdam(SeededOptimizer):
     """Adam on the k smallest-magnitude entries of each weight matrix, re-selected periodically.
 
     Use it like any torch optimizer, or in a config as ``optimizer: class_path:
@@ -144,23 +144,14 @@ class NanoAdam(torch.optim.Optimizer):
         self._check(defaults)
         self.compact_state = compact_state
         self.keep_overlap = keep_overlap
-        self.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63 if seed is None else seed)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, seed)
         for group in self.param_groups:
             self._check(group)
 
     @staticmethod
     def _check(g: dict[str, Any]) -> None:
         where = "NanoAdam"
-        if not g["lr"] >= 0:
-            raise ValueError(f"{where}: lr={g['lr']!r}; allowed: >= 0")
-        b1, b2 = g["betas"]
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"{where}: betas={tuple(g['betas'])!r}; allowed: both in [0, 1)")
-        if not g["eps"] > 0:
-            raise ValueError(f"{where}: eps={g['eps']!r}; allowed: > 0")
-        if not g["weight_decay"] >= 0:
-            raise ValueError(f"{where}: weight_decay={g['weight_decay']!r}; allowed: >= 0")
+        SeededOptimizer.check_adam(g, where)
         if not 0.0 < g["density"] <= 1.0:
             raise ValueError(f"{where}: density={g['density']!r}; allowed: (0, 1]")
         if not (isinstance(g["mask_interval"], int) and g["mask_interval"] >= 1):
@@ -287,30 +278,6 @@ class NanoAdam(torch.optim.Optimizer):
         if wd:
             p.mul_(1 - lr * wd)
         p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
-
-    # -- checkpoints -------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["generator_state"] = self.generator.get_state()
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts every tensor in the state to the parameter's dtype: keep the integer ones
-        saved = {pid: {k: v.clone() for k, v in st.items() if k in _INT_STATE} for pid, st in state_dict["state"].items()}
-        gen_state = state_dict.get("generator_state")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "generator_state"})
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params, strict=True):
-            for key, value in saved.get(pid, {}).items():
-                self.state[p][key] = value.to(p.device)
-        if gen_state is not None:
-            self.generator.set_state(gen_state)
-
-    def state_bytes(self) -> int:
-        """Bytes held in the optimizer state (moments, indices, masks)."""
-        return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
 
 def _intersect(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
