@@ -22,7 +22,6 @@ points are assigned by trial number, so no point runs twice.
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import math
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lowrank_lit.report import read_metric
 
 __all__ = ["SweepSpec", "SweepError", "load_sweep", "format_value", "run_sweep", "main"]
 
@@ -255,19 +256,6 @@ def suggest(trial: Any, spec: SweepSpec) -> dict[str, Any]:
         else:
             out[key] = trial.suggest_float(key, float(lo), float(hi))
     return out
-
-
-def read_metric(metrics_csv: Path, name: str) -> float:
-    """Last logged value of ``name`` in a CSVLogger ``metrics.csv``."""
-    if not metrics_csv.is_file():
-        raise RuntimeError(f"{metrics_csv} was not written")
-    with metrics_csv.open() as f:
-        rows = list(csv.DictReader(f))
-    keys = sorted({k for r in rows for k, v in r.items() if v not in ("", None)} - {"epoch", "step"})
-    values = [float(r[name]) for r in rows if r.get(name) not in ("", None)]
-    if not values:
-        raise RuntimeError(f"metric {name!r} was never logged; logged keys: {', '.join(keys) or '(none)'}")
-    return values[-1]
 
 
 @dataclass

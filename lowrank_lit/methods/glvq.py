@@ -487,33 +487,32 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Method, bits, per-layer relative error, bits per weight and test accuracy of quantization runs."""
     import csv
 
-    import yaml
+    from lowrank_lit.report import last_values, read_config
 
     rows = []
     for d in run_dirs:
-        with open(os.path.join(d, "config.yaml")) as f:
-            cfg = yaml.safe_load(f)
+        cfg = read_config(d)
         cb = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith(".GLVQ")][0]["init_args"]
         with open(os.path.join(d, "quantization.csv")) as f:
             layers = list(csv.DictReader(f))
-        with open(os.path.join(d, "metrics.csv")) as f:
-            acc = [float(r["test/acc"]) for r in csv.DictReader(f) if r.get("test/acc")]
+        acc = last_values(os.path.join(d, "metrics.csv"), ["test/acc"]).get("test/acc", float("nan"))
         label = cb.get("method", "glvq") + (" + mu-law" if cb.get("compand") else "") + (" + SDBA" if cb.get("sdba") else "")
         rows.append({"method": label, "bits": cb.get("bits", 2), "errors": [float(r["rel_error"]) for r in layers],
-                     "bits_per_weight": float(layers[0]["bits_per_weight"]), "acc": acc[-1] if acc else float("nan")})
+                     "bits_per_weight": float(layers[0]["bits_per_weight"]), "acc": acc})
     return sorted(rows, key=lambda r: (r["bits"], r["method"]))
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m lowrank_lit.methods.glvq RUN_DIR_OR_FOLDER... [--out errors.png]``: table (and plot)."""
     import argparse
-    import glob
+
+    from lowrank_lit.report import find_runs
 
     parser = argparse.ArgumentParser(description="Summarize GLVQ / scalar-lattice / RTN quantization runs.")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    dirs = sorted(os.path.dirname(p) for r in args.runs for p in glob.glob(os.path.join(r, "**", "quantization.csv"), recursive=True))
+    dirs = find_runs(args.runs, "quantization.csv")
     if not dirs:
         raise SystemExit(f"no quantization run under {args.runs}")
     rows = summarize(dirs)

@@ -308,16 +308,13 @@ def _run_summary(run_dir: str) -> dict[str, Any]:
     """Optimizer label, seed, final val/loss, late projector overlap and final effective rank of one run."""
     import csv
 
-    import yaml
+    from lowrank_lit.report import last_values, read_config
 
-    with open(os.path.join(run_dir, "config.yaml")) as f:
-        cfg = yaml.safe_load(f)
+    cfg = read_config(run_dir)
     opt = cfg["model"]["init_args"]["optimizer"]
     name = opt["class_path"].rsplit(".", 1)[-1]
     if name == "LowRankAdam":
         name = {"dominant": "GaLore (dominant)", "importance": "importance"}[opt["init_args"].get("selector", "importance")]
-    with open(os.path.join(run_dir, "metrics.csv")) as f:
-        losses = [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss") not in (None, "")]
     with open(os.path.join(run_dir, "subspace.csv")) as f:
         rows = list(csv.DictReader(f))
     overlaps = [float(r["overlap"]) for r in rows if r["overlap"] not in ("", None)]
@@ -325,7 +322,7 @@ def _run_summary(run_dir: str) -> dict[str, Any]:
     return {
         "optimizer": name,
         "seed": cfg.get("seed_everything"),
-        "val_loss": losses[-1] if losses else float("nan"),
+        "val_loss": last_values(os.path.join(run_dir, "metrics.csv"), ["val/loss"]).get("val/loss", float("nan")),
         "overlap": sum(late) / len(late) if late else float("nan"),
         "erank": float(rows[-1]["erank"]),
     }
@@ -357,13 +354,14 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lowrank_lit.methods.is_lowrank RUN_DIR_OR_FOLDER... [--out overlap.png]``."""
     import argparse
-    import glob
+
+    from lowrank_lit.report import find_runs
 
     parser = argparse.ArgumentParser(description="Summarize char-LM runs of AdamW, GaLore and importance-sampled LowRankAdam.")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--out", help="plot the projector overlap of the runs with a subspace.csv")
     args = parser.parse_args(argv)
-    dirs = sorted(os.path.dirname(p) for r in args.runs for p in glob.glob(os.path.join(r, "**", "subspace.csv"), recursive=True))
+    dirs = find_runs(args.runs, "subspace.csv")
     if not dirs:
         raise SystemExit(f"no run with subspace.csv under {args.runs}")
     rows = [_run_summary(d) for d in dirs]

@@ -332,23 +332,19 @@ METRICS = ("test/target_acc", "test/source_acc", "test/drift")
 
 def _run_rows(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Optimizer label, lr, seed and the test metrics of each split-digits run directory."""
-    import csv
     import os
 
-    import yaml
+    from lowrank_lit.report import last_values, read_config
 
     rows = []
     for d in run_dirs:
-        with open(os.path.join(d, "config.yaml")) as f:
-            cfg = yaml.safe_load(f)
+        cfg = read_config(d)
         opt = cfg["model"]["init_args"]["optimizer"]
         name = opt["class_path"].rsplit(".", 1)[-1]
         if name == "NanoAdam":
             name = f"NanoAdam ({opt['init_args'].get('selector', 'smallest')})"
         row: dict[str, Any] = {"optimizer": name, "lr": opt["init_args"].get("lr"), "seed": cfg.get("seed_everything")}
-        with open(os.path.join(d, "metrics.csv")) as f:
-            for r in csv.DictReader(f):
-                row.update({k: float(r[k]) for k in METRICS if r.get(k) not in (None, "")})
+        row.update(last_values(os.path.join(d, "metrics.csv"), METRICS))
         if all(k in row for k in METRICS):
             rows.append(row)
     return rows
@@ -398,15 +394,14 @@ def plot_summary(rows: list[dict[str, Any]], out: str, lr: float | None = None) 
 def main(argv: list[str] | None = None) -> None:
     """``python -m lowrank_lit.methods.nanoadam RUN_DIR_OR_FOLDER... [--out bars.png]``."""
     import argparse
-    import glob
-    import os
+
+    from lowrank_lit.report import find_runs
 
     parser = argparse.ArgumentParser(description="Summarize split-digits fine-tuning runs (NanoAdam, ablations, AdamW).")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--out", help="bar plot of the largest lr's results")
     args = parser.parse_args(argv)
-    dirs = sorted(os.path.dirname(p) for r in args.runs for p in glob.glob(os.path.join(r, "**", "config.yaml"), recursive=True))
-    rows = _run_rows(dirs)
+    rows = _run_rows(find_runs(args.runs, "config.yaml"))
     if not rows:
         raise SystemExit(f"no finished split-digits run under {args.runs}")
     print(summary_table(rows))

@@ -305,14 +305,12 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     import csv
     import os
 
-    import yaml
-
+    from lowrank_lit.report import read_config
     from lowrank_lit.tta.module import purity
 
     out = []
     for d in run_dirs:
-        with open(os.path.join(d, "config.yaml")) as f:
-            cfg = yaml.safe_load(f)
+        cfg = read_config(d)
         with open(os.path.join(d, "tta_batches.csv")) as f:
             rows = list(csv.DictReader(f))
         per: dict[int, list[float]] = {}
@@ -342,16 +340,15 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """``python -m lowrank_lit.methods.reservoir_tta RUN_DIR_OR_FOLDER... [--out errors.png]``."""
     import argparse
-    import glob
-    import os
 
+    from lowrank_lit.report import find_runs
     from lowrank_lit.tta.module import plot_recurrence
 
     parser = argparse.ArgumentParser(description="Error per recurrence of test-time adaptation runs.")
     parser.add_argument("runs", nargs="+")
     parser.add_argument("--out", help="plot error per recurrence, one line per run")
     args = parser.parse_args(argv)
-    dirs = sorted(os.path.dirname(p) for r in args.runs for p in glob.glob(os.path.join(r, "**", "tta_batches.csv"), recursive=True))
+    dirs = find_runs(args.runs, "tta_batches.csv")
     if not dirs:
         raise SystemExit(f"no TTA run (tta_batches.csv) under {args.runs}")
     rows = summarize(dirs)

@@ -353,10 +353,9 @@ class PairwiseMarginRankingLoss(nn.Module):
 
 def _run_info(run_dir: str) -> dict[str, Any]:
     """Loss name, data setting and seed of a run, from its saved ``config.yaml``."""
-    import yaml
+    from lowrank_lit.report import read_config
 
-    with open(os.path.join(run_dir, "config.yaml")) as f:
-        cfg = yaml.safe_load(f)
+    cfg = read_config(run_dir)
     loss = cfg["model"]["init_args"]["loss"]
     name = loss["class_path"].rsplit(".", 1)[-1]
     if name == "STRankLoss":
@@ -366,7 +365,7 @@ def _run_info(run_dir: str) -> dict[str, Any]:
 
 def summarize(run_dirs: Sequence[str], metric: str = "test/spearman") -> list[dict[str, Any]]:
     """One row ``{"loss", "setting", "seed", metric}`` per run directory, sorted by loss, setting, seed."""
-    from lowrank_lit.launch.sweep import read_metric
+    from lowrank_lit.report import read_metric
 
     rows = [{**_run_info(d), metric: read_metric(Path(d) / "metrics.csv", metric)} for d in run_dirs]
     return sorted(rows, key=lambda r: (r["loss"], r["setting"], r["seed"]))
@@ -430,17 +429,15 @@ def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman")
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m lowrank_lit.methods.strank RUN_DIR... [--out curves.png]``: table (and curve plot)."""
     import argparse
-    import glob
+
+    from lowrank_lit.report import find_runs
 
     parser = argparse.ArgumentParser(description="Summarize STRank / baseline runs (test/spearman per loss, setting, seed).")
     parser.add_argument("runs", nargs="+", help="run directories, or folders holding them (searched for config.yaml)")
     parser.add_argument("--metric", default="test/spearman")
     parser.add_argument("--out", help="also plot the predicted curves of these runs to this PNG")
     args = parser.parse_args(argv)
-    dirs = []
-    for r in args.runs:
-        found = [os.path.dirname(p) for p in glob.glob(os.path.join(r, "**", "config.yaml"), recursive=True)]
-        dirs += sorted(d for d in found if os.path.isfile(os.path.join(d, "metrics.csv")))
+    dirs = [d for d in find_runs(args.runs, "config.yaml") if os.path.isfile(os.path.join(d, "metrics.csv"))]
     if not dirs:
         raise SystemExit(f"no run directory (config.yaml + metrics.csv) under {args.runs}")
     print(summary_table(summarize(dirs, args.metric), args.metric))
