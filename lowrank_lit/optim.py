@@ -98,6 +98,8 @@ class SeededOptimizer(torch.optim.Optimizer):
       ``state_dict()`` so a resumed run draws the same numbers.
     * ``load_state_dict`` keeps integer and boolean state tensors (index sets, masks) in their saved
       dtype: torch would cast every state tensor to its parameter's floating dtype.
+    * :meth:`step` handles the closure, skips parameters without a gradient, refuses sparse ones and
+      counts ``state["step"]``; subclasses write :meth:`update` for one parameter.
     * :meth:`check_adam` validates the Adam hyperparameters of a param group; :meth:`state_bytes`
       reports the memory held in the state.
     """
@@ -105,6 +107,28 @@ class SeededOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int | None = None) -> None:
         self.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63 if seed is None else seed)
         super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                t = state.get("step", 0)
+                self.update(p, p.grad, state, group, t)
+                state["step"] = t + 1
+        return loss
+
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int) -> None:
+        """Update parameter ``p`` in place at step ``t`` (0-based) from ``grad``."""
+        raise NotImplementedError
 
     @staticmethod
     def check_adam(g: dict[str, Any], where: str) -> None:

@@ -174,48 +174,32 @@ class LowRankAdam(SeededOptimizer):
             state["overlaps"] = state.get("overlaps", 0) + 1
         state["projector"], state["side"] = proj, side
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("LowRankAdam does not support sparse gradients")
-                state = self.state[p]
-                t = state.get("step", 0)
-                lowrank = group["lowrank"]
-                if lowrank:
-                    if not bool(torch.isfinite(grad).all()):
-                        raise RuntimeError(f"LowRankAdam: non-finite gradient (NaN/Inf) in a {tuple(p.shape)} weight at step {t}")
-                    if t % group["update_proj_gap"] == 0:
-                        self._refresh(grad, state, group)
-                    P = state["projector"]
-                    grad = P.T @ grad if state["side"] == "left" else grad @ P.T  # (r, n) or (m, r)
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(grad)
-                    state["exp_avg_sq"] = torch.zeros_like(grad)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                t += 1
-                m.mul_(b1).add_(grad, alpha=1 - b1)
-                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                step_size = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
-                norm = m / (v.sqrt() + eps)
-                if lowrank:
-                    P = state["projector"]
-                    norm = group["scale"] * (P @ norm if state["side"] == "left" else norm @ P)  # (m, n)
-                p.add_(norm, alpha=-step_size)
-                if wd:
-                    p.add_(p, alpha=-lr * wd)
-                state["step"] = t
-        return loss
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        lowrank = group["lowrank"]
+        if lowrank:
+            if not bool(torch.isfinite(grad).all()):
+                raise RuntimeError(f"LowRankAdam: non-finite gradient (NaN/Inf) in a {tuple(p.shape)} weight at step {t}")
+            if t % group["update_proj_gap"] == 0:
+                self._refresh(grad, state, group)
+            P = state["projector"]
+            grad = P.T @ grad if state["side"] == "left" else grad @ P.T  # (r, n) or (m, r)
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(grad)
+            state["exp_avg_sq"] = torch.zeros_like(grad)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        n = t + 1  # bias-correction count
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        step_size = lr * math.sqrt(1 - b2**n) / (1 - b1**n)
+        norm = m / (v.sqrt() + eps)
+        if lowrank:
+            P = state["projector"]
+            norm = group["scale"] * (P @ norm if state["side"] == "left" else norm @ P)  # (m, n)
+        p.add_(norm, alpha=-step_size)
+        if wd:
+            p.add_(p, alpha=-lr * wd)
 
 
 class SubspaceOverlap(pl.Callback):

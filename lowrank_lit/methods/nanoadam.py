@@ -207,28 +207,13 @@ class NanoAdam(SeededOptimizer):
 
     # -- step --------------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("NanoAdam does not support sparse gradients")
-                state = self.state[p]
-                t = state.get("step", 0)
-                if group["nano"] and p.ndim >= 2:
-                    self._nano_update(p, state, group, t, lr, wd, eps, b1, b2)
-                else:
-                    self._dense_update(p, state, lr, wd, eps, b1, b2)
-                state["step"] = t + 1
-        return loss
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        if group["nano"] and p.ndim >= 2:
+            self._nano_update(p, state, group, t, lr, wd, eps, b1, b2)
+        else:
+            self._dense_update(p, state, lr, wd, eps, b1, b2)
 
     def _nano_update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int,
                      lr: float, wd: float, eps: float, b1: float, b2: float) -> None:
