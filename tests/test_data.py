@@ -51,6 +51,17 @@ def test_split_is_stratified_disjoint_and_seeded():
     assert not torch.equal(other.test_set.tensors[0], dm.test_set.tensors[0])
 
 
+def test_split_seed_none_follows_the_run_seed():
+    from lightning.pytorch import seed_everything
+
+    seed_everything(1)
+    follows = _setup(split_seed=None)
+    assert follows.resolved_split_seed() == 1
+    assert torch.equal(follows.test_set.tensors[0], _setup(split_seed=1).test_set.tensors[0])
+    seed_everything(0)
+    assert torch.equal(_setup(split_seed=None).test_set.tensors[0], _setup(split_seed=0).test_set.tensors[0])
+
+
 def test_normalization_uses_training_statistics():
     dm = _setup(image_size=16)
     x = dm.train_set.tensors[0]

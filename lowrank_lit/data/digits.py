@@ -6,6 +6,8 @@ stratified and seeded, so every run (and every rank under DDP) sees the same par
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -32,7 +34,8 @@ class DigitsDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers. Default: 0 (the data is in memory).
         val_fraction: fraction of all samples held out for validation. Default: 0.15.
         test_fraction: fraction of all samples held out for testing. Default: 0.15.
-        split_seed: seed of the stratified split (independent of the run seed). Default: 0.
+        split_seed: seed of the stratified split (independent of the run seed); ``None`` draws the split
+            with the run seed (``seed_everything``, the same on every rank). Default: 0.
         shuffle: shuffle the training split every epoch. Default: True.
 
     Raises:
@@ -51,7 +54,7 @@ class DigitsDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         val_fraction: float = 0.15,
         test_fraction: float = 0.15,
-        split_seed: int = 0,
+        split_seed: int | None = 0,
         shuffle: bool = True,
     ) -> None:
         super().__init__()
@@ -98,19 +101,26 @@ class DigitsDataModule(pl.LightningDataModule):
             x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
         return x, y
 
+    def resolved_split_seed(self) -> int:
+        """``split_seed``, or the run seed set by ``seed_everything`` (0 if none) when it is None."""
+        if self.split_seed is not None:
+            return int(self.split_seed)
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
     def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from sklearn.model_selection import train_test_split
 
         idx = torch.arange(len(y)).numpy()
+        seed = self.resolved_split_seed()
         holdout = self.val_fraction + self.test_fraction
         train_idx, rest_idx = train_test_split(
-            idx, test_size=holdout, stratify=y.numpy(), random_state=self.split_seed
+            idx, test_size=holdout, stratify=y.numpy(), random_state=seed
         )
         val_idx, test_idx = train_test_split(
             rest_idx,
             test_size=self.test_fraction / holdout,
             stratify=y[rest_idx].numpy(),
-            random_state=self.split_seed,
+            random_state=seed,
         )
         return torch.as_tensor(train_idx), torch.as_tensor(val_idx), torch.as_tensor(test_idx)
 
@@ -169,7 +179,7 @@ class DigitsSplitDataModule(DigitsDataModule):
         flatten: flatten images to 64-vectors. Default: True.
         batch_size: samples per batch. Default: 64.
         test_fraction: fraction of all samples held out for testing. Default: 0.25.
-        split_seed: seed of the stratified split. Default: 0.
+        split_seed: seed of the stratified split; ``None``: the run seed. Default: 0.
         num_workers: DataLoader workers. Default: 0.
     """
 
@@ -181,7 +191,7 @@ class DigitsSplitDataModule(DigitsDataModule):
         flatten: bool = True,
         batch_size: int = 64,
         test_fraction: float = 0.25,
-        split_seed: int = 0,
+        split_seed: int | None = 0,
         num_workers: int = 0,
     ) -> None:
         super().__init__(image_size=8, channels=1, normalize=normalize, flatten=flatten, batch_size=batch_size,

@@ -95,7 +95,7 @@ class StyleExtractor(nn.Module):
         parts = []
         for name in self.layers:
             f = self._out[name]  # (B, C, H, W)
-            var = f.transpose(0, 1).reshape(f.shape[1], -1).var(dim=1)  # (C,) over batch and space, unbiased
+            var = f.var(dim=(0, 2, 3))  # (C,) over batch and space, unbiased
             if self.fmt == "var":
                 parts.append(var)
             else:
