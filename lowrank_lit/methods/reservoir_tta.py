@@ -95,12 +95,15 @@ class StyleExtractor(nn.Module):
         parts = []
         for name in self.layers:
             f = self._out[name]  # (B, C, H, W)
-            var = f.var(dim=(0, 2, 3))  # (C,) over batch and space, unbiased
+            # (C,) unbiased variance over batch and space; two passes (mean, then centred squares) are
+            # as stable as Tensor.var and several times faster on CPU for (B, C, H, W) reductions
+            mean = f.mean(dim=(0, 2, 3), keepdim=True)  # (1, C, 1, 1)
+            var = (f - mean).pow(2).sum(dim=(0, 2, 3)) / (f.numel() // f.shape[1] - 1)
             if self.fmt == "var":
                 parts.append(var)
             else:
                 lv = torch.log(var + self.eps)
-                parts.append(lv if self.fmt == "logvar" else torch.cat([f.mean(dim=(0, 2, 3)), lv]))
+                parts.append(lv if self.fmt == "logvar" else torch.cat([mean.flatten(), lv]))
             if not bool(torch.isfinite(parts[-1]).all()):
                 raise RuntimeError(f"StyleExtractor: non-finite style statistics at layer {name!r}")
         return torch.cat(parts)  # (sum of channels,)
@@ -274,13 +277,18 @@ class ReservoirTTA(TTAMethod):
         q = self.route(s, x)
         k = int(q.argmax())
         self.last_cluster, self.last_q = k, q
-        # the prediction needs the parameters and the method's buffers (e.g. CoTTA's teacher) of the
-        # routed copy, not its optimizer state: that is loaded for adapting only
-        self.method.load_extra_state(copy.deepcopy(self.copies[k]["extra"]))
-        self.method.load_params(self.ensemble(q) if self.ensembling else self.copies[k]["params"])
-        logits = self.method.predict(x)
-        self.method.set_state(self.copies[k], copy_state=False)  # copy k is replaced by the new state below
-        self.method.adapt(x)
+        if self.ensembling:
+            # the prediction needs the ensembled parameters and the routed copy's method buffers (e.g.
+            # CoTTA's teacher), not its optimizer state: that is loaded for adapting only
+            self.method.load_extra_state(copy.deepcopy(self.copies[k]["extra"]))
+            self.method.load_params(self.ensemble(q))
+            logits = self.method.predict(x)
+            self.method.set_state(self.copies[k], copy_state=False)  # copy k is replaced by the new state below
+            self.method.adapt(x)
+        else:
+            # the routed copy predicts: its pre-step logits come out of the adaptation forward pass itself
+            self.method.set_state(self.copies[k], copy_state=False)
+            logits = self.method.forward_and_adapt(x)
         new = self.method.get_state()
         if self.progressive_update:
             w = float(q[k])

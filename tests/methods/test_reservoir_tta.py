@@ -14,6 +14,7 @@ from lowrank_lit.data.corruptions import CORRUPTIONS, corrupt, corruption_stream
 from lowrank_lit.methods.reservoir_tta import ReservoirTTA, StyleExtractor
 from lowrank_lit.models.cnn import GroupNormCNN
 from lowrank_lit.tta import EATA, CoTTA, SourceOnly, Tent, entropy, purity
+from lowrank_lit.tta.methods import norm_affine_params as norm_params
 
 LAYERS = ["blocks.0.0", "blocks.1.0"]
 
@@ -95,6 +96,37 @@ def test_4_style_vector():
     assert StyleExtractor(_model(), LAYERS, fmt="meanvar")(x).shape == (32,)
     with pytest.raises(RuntimeError, match="blocks.0.0"):
         ext(torch.full((16, 1, 8, 8), float("nan")))
+
+
+def test_style_vector_is_the_log_of_torch_var_per_channel():
+    model = _model()
+    x = torch.rand(16, 1, 8, 8) * 3 + 1
+    with torch.no_grad():
+        f0 = model.blocks[0][0](x)  # (16, 8, 8, 8) conv outputs
+        f1 = model.blocks[1][0](model.blocks[0][1:](f0))
+    ref = torch.cat([torch.log(f.double().var(dim=(0, 2, 3)) + 1e-5) for f in (f0, f1)]).float()
+    torch.testing.assert_close(StyleExtractor(model, LAYERS)(x), ref, atol=1e-5, rtol=0)
+    meanvar = StyleExtractor(_model(), LAYERS, fmt="meanvar")(x)
+    torch.testing.assert_close(meanvar[:8], f0.mean(dim=(0, 2, 3)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(StyleExtractor(_model(), LAYERS, fmt="var")(x)[:8], f0.var(dim=(0, 2, 3)), atol=1e-4, rtol=1e-5)
+
+
+def test_without_ensembling_the_routed_copy_predicts_before_its_step():
+    res = _reservoir(Tent(lr=1e-2), max_models=4, ensembling=False)
+    probe = _model()
+    for x, _ in _batches(3, seed=5, shift=5.0) + _batches(2, seed=6):
+        before = copy.deepcopy(res.copies)
+        logits = res.forward_and_adapt(x)
+        k = res.last_cluster
+        old = before[k]["params"] if k < len(before) else None
+        if old is None:  # a new domain: its copy started from the copy chosen by MI init
+            continue
+        with torch.no_grad():
+            for p, v in zip(norm_params(probe), old, strict=True):
+                p.copy_(v)
+            torch.testing.assert_close(logits, probe(x), atol=1e-6, rtol=0)
+        assert not all(torch.equal(a, b) for a, b in zip(old, res.copies[k]["params"], strict=True))  # then it adapted
+    assert res.num_models == 2
 
 
 def test_5_source_batches_rarely_open_a_cluster_and_a_shift_opens_one():
