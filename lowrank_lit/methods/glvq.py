@@ -17,7 +17,8 @@ by alternating Babai rounding (codes fixed, no gradient) and Adam steps on ``G``
 ``G`` for fixed codes: no straight-through estimator), with ``G``'s singular values clamped to
 ``[sigma_min, sigma_max]`` and the best iterate kept. ``G`` starts from the best scalar lattice
 ``G = s I`` (grid search on the same loss), so GLVQ's calibration error is never above the scalar
-lattice's. ``mu`` is initialised from the group kurtosis (``clip(10 kappa, 10, 255)``, inferred) and
+lattice's: per group by the keep-best rule, and per layer because :func:`select_groups` keeps a group's
+scalar lattice where the cross-group terms of the layer error favour it (inferred). ``mu`` is initialised from the group kurtosis (``clip(10 kappa, 10, 255)``, inferred) and
 projected to [10, 255] after every step.
 
 Salience-determined bit allocation (SDBA, from Slim-LLM): with target ``N`` bits, the ``k`` most salient
@@ -52,6 +53,7 @@ __all__ = [
     "rtn_quantize",
     "GroupResult",
     "quantize_group",
+    "select_groups",
     "salience_bit_allocation",
     "storage_bits",
     "GLVQLinear",
@@ -131,6 +133,7 @@ class GroupResult:
     loss: float  # calibration output error ||(W_g - W_hat_g) X_g||^2
     init_loss: float = float("nan")
     history: list[float] = field(default_factory=list)
+    start: GroupResult | None = None  # glvq: the best scalar lattice it started from
 
     def decode(self, shape: tuple[int, int]) -> torch.Tensor:
         return _decode(self.G, self.codes, self.mu, self.scale, shape)
@@ -237,7 +240,36 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
     Gb, mub, Zb, lb = best_state
     if torch.linalg.cond(Gb) > 1e8:
         raise ValueError(f"GLVQ: the generation matrix became ill-conditioned (cond {float(torch.linalg.cond(Gb)):.3g} > 1e8)")
-    return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history)
+    start = GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0))
+    return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history, start)
+
+
+def select_groups(W: torch.Tensor, H: torch.Tensor, options: list[list[torch.Tensor]]) -> list[int]:
+    """Choose one decoded block per column group so that the layer's output error is smallest.
+
+    ``options[g]`` are candidate decodings ``(m, n_g)`` of group g (for GLVQ: the learned lattice, then the
+    scalar lattice it started from). Per-group keep-best ignores the cross terms
+    ``tr(E_g H_{gg'} E_{g'}^T)`` of ``||(W - W_hat) X||^2``, so learned groups can add up to more layer error
+    than the scalar lattices (inferred fix, not in the paper): start from the better of all-first and
+    all-last, then switch single groups while that lowers the layer error. Never above either.
+    """
+    def error(choice: list[int]) -> float:
+        return float(_loss(W - torch.cat([options[g][c] for g, c in enumerate(choice)], dim=1), H))
+
+    first, last = [0] * len(options), [len(o) - 1 for o in options]
+    choice, best = min(((first, error(first)), (last, error(last))), key=lambda t: t[1])
+    improved = True
+    while improved:
+        improved = False
+        for g, opts in enumerate(options):
+            for c in range(len(opts)):
+                if c == choice[g]:
+                    continue
+                trial = choice[:g] + [c] + choice[g + 1 :]
+                err = error(trial)
+                if err < best:
+                    choice, best, improved = trial, err, True
+    return choice
 
 
 def salience_bit_allocation(saliences: torch.Tensor, avg_bits: int, error_of: Any = None) -> torch.Tensor:
@@ -397,6 +429,14 @@ def quantize_linear(
         results = [result(g, int(b)) for g, b in enumerate(alloc)]
     else:
         results = run([bits] * groups)
+    fallback = 0
+    if method == "glvq":
+        # the decodings GLVQLinear will serve (G stored in float32), learned lattice then its scalar start
+        options = [[_stored_decode(r, (m, group_size)), _stored_decode(r.start, (m, group_size))] if r.start is not None
+                   else [_stored_decode(r, (m, group_size))] for r in results]
+        choice = select_groups(W, H, options)
+        fallback = sum(c > 0 for c in choice)
+        results = [r if c == 0 else r.start for r, c in zip(results, choice, strict=True)]
     layer = GLVQLinear(n, m, group_size, dim, bias=linear.bias is not None)
     layer.set_groups(results)
     if linear.bias is not None:
@@ -404,7 +444,14 @@ def quantize_linear(
             layer.bias.copy_(linear.bias)
     What = layer.weight_hat().double()
     return layer, {"rel_error": float(_loss(W - What, H)) / ref, "bits_per_weight": layer.storage_bits() / (m * n),
-                   "avg_code_bits": float(layer.bits.float().mean())}
+                   "avg_code_bits": float(layer.bits.float().mean()), "scalar_groups": float(fallback)}
+
+
+def _stored_decode(r: GroupResult | None, shape: tuple[int, int]) -> torch.Tensor:
+    """``r`` decoded exactly as :class:`GLVQLinear` serves it (float32 buffers, float32 weight)."""
+    assert r is not None
+    mu, scale = (float(torch.tensor(float(v), dtype=torch.float32)) for v in (r.mu, r.scale))
+    return _decode(r.G.float().double(), r.codes.double(), mu, scale, shape).float().double()
 
 
 @register_method("glvq", kind="Callback", paper=PAPER)

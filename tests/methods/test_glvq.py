@@ -20,6 +20,7 @@ from lowrank_lit.methods.glvq import (
     quantize_linear,
     rtn_quantize,
     salience_bit_allocation,
+    select_groups,
     storage_bits,
 )
 
@@ -117,6 +118,34 @@ def test_8_keep_best_never_worse_than_the_scalar_init():
         scalar = quantize_group(W, H, 2, 8, "scalar")
         assert r.loss <= r.init_loss + 1e-12
         assert r.init_loss == pytest.approx(scalar.loss)
+
+
+def test_8b_layer_error_never_above_the_scalar_lattices():
+    # two groups seeing the same inputs (H's cross blocks = its diagonal blocks): per group the "learned"
+    # blocks err less (delta vs 1.5 delta) but their errors add up, the scalar ones cancel
+    X = _rand(40, 2, seed=3).repeat(1, 2)  # (N, 4): columns 2, 3 repeat columns 0, 1
+    H = X.T @ X
+    W = _rand(6, 4, seed=4)
+    delta = 0.1 * _rand(6, 2, seed=5)
+    learned = [W[:, :2] - delta, W[:, 2:] - delta]
+    scalar = [W[:, :2] - 1.5 * delta, W[:, 2:] + 1.5 * delta]
+
+    def err(blocks):
+        E = W - torch.cat(blocks, dim=1)
+        return float(torch.trace(E @ H @ E.T))
+
+    assert err([learned[0], scalar[1]]) < err(learned)  # per-group keep-best would keep `learned`
+    choice = select_groups(W, H, [[learned[0], scalar[0]], [learned[1], scalar[1]]])
+    assert choice == [1, 1] and err(scalar) < 1e-20
+    assert select_groups(W, H, [[scalar[0], learned[0]], [scalar[1], learned[1]]]) == [0, 0]
+    # the layer: GLVQ's reported output error <= the scalar lattice's, on correlated inputs at 2 and 3 bits
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 16)
+    Xc = torch.randn(200, 8) @ torch.randn(8, 64) + 0.05 * torch.randn(200, 64)
+    for bits in (2, 3):
+        _, g = quantize_linear(lin, Xc, bits, group_size=16, dim=8, steps=20)
+        _, sc = quantize_linear(lin, Xc, bits, group_size=16, dim=8, method="scalar")
+        assert g["rel_error"] <= sc["rel_error"] and 0 <= g["scalar_groups"] <= 4
 
 
 def test_9_scale_equivariance():
