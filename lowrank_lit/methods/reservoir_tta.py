@@ -61,9 +61,13 @@ class StyleExtractor(nn.Module):
         layers: names of the modules whose outputs ``(B, C, H, W)`` give the statistics.
         fmt: ``logvar`` (log of the per-channel variance, default), ``var``, or ``meanvar`` (mean and log variance).
         eps: added inside the log. Default: 1e-5.
+        channels_last: run the frozen backbone on 4-D inputs in channels-last memory format (same values up
+            to float rounding; on CPU several times faster for few-channel convolutions and max-pooling).
+            Default: True.
     """
 
-    def __init__(self, backbone: nn.Module, layers: list[str], fmt: str = "logvar", eps: float = 1e-5) -> None:
+    def __init__(self, backbone: nn.Module, layers: list[str], fmt: str = "logvar", eps: float = 1e-5,
+                 channels_last: bool = True) -> None:
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"StyleExtractor: fmt={fmt!r}; allowed: {', '.join(FORMATS)}")
@@ -72,6 +76,9 @@ class StyleExtractor(nn.Module):
         if missing or not layers:
             raise ValueError(f"StyleExtractor: layers {missing or layers} not found; some available: {list(modules)[1:12]}")
         self.backbone = backbone.eval().requires_grad_(False)
+        self.channels_last = channels_last
+        if channels_last:
+            self.backbone.to(memory_format=torch.channels_last)  # only 4-D parameters change layout
         self.layers, self.fmt, self.eps = list(layers), fmt, eps
         self._out: dict[str, torch.Tensor] = {}
         for name in self.layers:
@@ -88,6 +95,8 @@ class StyleExtractor(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._out.clear()
+        if self.channels_last and x.ndim == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
         try:
             self.backbone(x)
         except _StopForward:
