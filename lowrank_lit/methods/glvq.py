@@ -15,9 +15,11 @@ inferred), ``Y (d, L)``:
 ``||(W_g - W_hat_g) X_g||_F^2 = tr(E H_g E^T)`` with ``H_g = X_g X_g^T`` (only the Gram matrix is needed),
 by alternating Babai rounding (codes fixed, no gradient) and Adam steps on ``G`` (the decode is smooth in
 ``G`` for fixed codes: no straight-through estimator), with ``G``'s singular values clamped to
-``[sigma_min, sigma_max]`` and the best iterate kept. ``G`` starts from the best scalar lattice
-``G = s I`` (grid search on the same loss), so GLVQ's calibration error is never above the scalar
-lattice's: per group by the keep-best rule, and per layer because :func:`select_groups` keeps a group's
+``[sigma_min, sigma_max]`` and the best iterate kept. ``G`` starts from the card's ``G_0`` (the Cholesky
+factor of the d-vectors' covariance, scaled by ``c / 2^(b-1)`` with ``c`` grid-searched on the loss) and,
+in a second run, from the best scalar lattice ``G = s I`` (grid search on the same loss); the better run
+is kept (``init="both"``, default). The scalar lattice is the keep-best baseline, so GLVQ's calibration
+error is never above the scalar lattice's: per group by the keep-best rule, and per layer because :func:`select_groups` keeps a group's
 scalar lattice where the cross-group terms of the layer error favour it (inferred). ``mu`` is initialised from the group kurtosis (``clip(10 kappa, 10, 255)``, inferred) and
 projected to [10, 255] after every step.
 
@@ -62,6 +64,7 @@ __all__ = [
 ]
 
 PAPER = "Learning Grouped Lattice Vector Quantizers for Low-Bit LLM Compression (GLVQ)"
+INITS = ("both", "cholesky", "scalar")
 METHODS = ("glvq", "scalar", "rtn")
 
 
@@ -171,24 +174,51 @@ def quantize_group(
     lam: float = 0.0,
     sigma_range: tuple[float, float] = (1e-4, 1e4),
     scale_grid: int = 64,
+    init: str = "both",
 ) -> GroupResult:
     """Quantize one column group ``Wg (m, n_g)`` against its calibration Gram matrix ``H (n_g, n_g)``.
 
-    ``method``: ``scalar`` (best ``G = s I``, s grid-searched on the loss) or ``glvq`` (scalar init, then
-    alternating Babai / Adam on ``G`` (and ``mu`` with ``compand``), singular values clamped to
-    ``sigma_range``, best iterate kept). ``lam`` weighs ``||G - G_0||_F^2``. Adam's step is ``lr`` times
-    the scalar lattice's step size s (inferred: the paper gives no optimiser settings).
+    ``method``: ``scalar`` (best ``G = s I``, s grid-searched on the loss) or ``glvq`` (alternating Babai /
+    Adam on ``G`` (and ``mu`` with ``compand``), singular values clamped to ``sigma_range``, best iterate
+    kept, never above the scalar lattice). ``init`` picks the starting ``G_0``: ``cholesky`` (the card's
+    ``G_0``: lower Cholesky factor of the covariance of the d-vectors, times ``c / 2^(b-1)`` with ``c``
+    grid-searched on the loss), ``scalar`` (the best scalar lattice) or ``both`` (one run from each, the
+    better kept). ``lam`` weighs ``||G - G_0||_F^2``. Adam's step is ``lr`` times the mean ``|diag G_0|``
+    (inferred: the paper gives no optimiser settings).
     """
     _check_bits(bits)
     if method not in ("glvq", "scalar"):
         raise ValueError(f"quantize_group: method={method!r}; allowed: glvq, scalar")
+    if init not in INITS:
+        raise ValueError(f"quantize_group: init={init!r}; allowed: {', '.join(INITS)}")
     # callable from evaluation hooks (Lightning's test loop runs in inference mode): optimise with autograd on
     with torch.inference_mode(False), torch.enable_grad():
-        return _quantize_group(Wg.clone(), H.clone(), bits, dim, method, compand, steps, lr, lam, sigma_range, scale_grid)
+        return _quantize_group(Wg.clone(), H.clone(), bits, dim, method, compand, steps, lr, lam, sigma_range, scale_grid, init)
+
+
+def _cholesky_init(Y: torch.Tensor, bits: int, loss: Any, grid: int) -> torch.Tensor | None:
+    """``c * chol(cov(Y)) / 2^(b-1)`` with ``c`` in [0.25, 6] minimising ``loss(G)``; None if the covariance is degenerate."""
+    d = Y.shape[0]
+    C = torch.cov(Y)  # (d, d) covariance of the d-vectors
+    level = float(C.diagonal().mean())
+    if not level > 0:  # constant d-vectors (or non-finite): no Cholesky start
+        return None
+    C = C + 1e-8 * level * torch.eye(d, dtype=C.dtype)
+    L, info = torch.linalg.cholesky_ex(C)
+    if int(info) != 0 or not bool(torch.isfinite(L).all()):
+        return None
+    best_G, best = None, math.inf
+    for c in torch.linspace(0.25, 6.0, grid).tolist():  # the range of c is inferred
+        G = c * L / 2 ** (bits - 1)
+        val = float(loss(G))
+        if val < best:
+            best_G, best = G, val
+    return best_G
 
 
 def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, method: str, compand: bool, steps: int,
-                    lr: float, lam: float, sigma_range: tuple[float, float], scale_grid: int) -> GroupResult:
+                    lr: float, lam: float, sigma_range: tuple[float, float], scale_grid: int,
+                    init: str = "both") -> GroupResult:
     m, ng = Wg.shape
     if (m * ng) % dim:
         raise ValueError(f"GLVQ: dim={dim} does not divide the group's m * group_size = {m} * {ng}")
@@ -215,28 +245,36 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
     loss0, Z0 = loss_of(G0, mu0)
     if method == "scalar":
         return GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0))
-    G = G0.clone().requires_grad_(True)
-    log_mu = torch.tensor(math.log(mu0), dtype=torch.float64, requires_grad=True) if compand else None
-    opt = torch.optim.Adam([G] + ([log_mu] if log_mu is not None else []), lr=lr * max(best_s, 1e-8) if lr else 1e-3)
-    best_state = (G0.clone(), mu0, Z0, float(loss0))
+    starts = [G0] if init in ("scalar", "both") else []
+    if init in ("cholesky", "both"):
+        Y = _to_vectors(Wg / scale, dim)
+        Gc = _cholesky_init(mulaw(Y, mu0) if compand else Y, bits, lambda G: loss_of(G, mu0)[0], scale_grid)
+        if Gc is not None:
+            starts.append(Gc)
+    best_state = (G0.clone(), mu0, Z0, float(loss0))  # never above the best scalar lattice
     history = [float(loss0)]
-    for _ in range(steps):
-        mu = log_mu.exp() if log_mu is not None else 0.0
-        loss, Z = loss_of(G, mu)
-        total = loss + lam * ((G - G0) ** 2).sum() if lam else loss
-        opt.zero_grad()
-        total.backward()
-        opt.step()
-        with torch.no_grad():
-            U, S, Vh = torch.linalg.svd(G)
-            G.copy_(U @ torch.diag(S.clamp(*sigma_range)) @ Vh)  # spectral clamp
-            if log_mu is not None:
-                log_mu.clamp_(math.log(10.0), math.log(255.0))
-        mu_now = float(log_mu.detach().exp()) if log_mu is not None else 0.0
-        val, Zn = loss_of(G.detach(), mu_now)
-        history.append(float(val))
-        if float(val) < best_state[3]:
-            best_state = (G.detach().clone(), mu_now, Zn, float(val))
+    for G_start in starts:
+        G = G_start.clone().requires_grad_(True)
+        log_mu = torch.tensor(math.log(mu0), dtype=torch.float64, requires_grad=True) if compand else None
+        step = lr * max(float(G_start.diagonal().abs().mean()), 1e-8) if lr else 1e-3
+        opt = torch.optim.Adam([G] + ([log_mu] if log_mu is not None else []), lr=step)
+        for _ in range(steps):
+            mu = log_mu.exp() if log_mu is not None else 0.0
+            loss, Z = loss_of(G, mu)
+            total = loss + lam * ((G - G_start) ** 2).sum() if lam else loss
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+            with torch.no_grad():
+                U, S, Vh = torch.linalg.svd(G)
+                G.copy_(U @ torch.diag(S.clamp(*sigma_range)) @ Vh)  # spectral clamp
+                if log_mu is not None:
+                    log_mu.clamp_(math.log(10.0), math.log(255.0))
+            mu_now = float(log_mu.detach().exp()) if log_mu is not None else 0.0
+            val, Zn = loss_of(G.detach(), mu_now)
+            history.append(float(val))
+            if float(val) < best_state[3]:
+                best_state = (G.detach().clone(), mu_now, Zn, float(val))
     Gb, mub, Zb, lb = best_state
     if torch.linalg.cond(Gb) > 1e8:
         raise ValueError(f"GLVQ: the generation matrix became ill-conditioned (cond {float(torch.linalg.cond(Gb)):.3g} > 1e8)")
@@ -374,12 +412,13 @@ def quantize_linear(
     compand: bool = False,
     sdba: bool = False,
     steps: int = 200,
+    init: str = "both",
 ) -> tuple[nn.Module, dict[str, float]]:
     """Quantize ``linear`` with calibration inputs ``X (N, in_features)``.
 
     Returns ``(layer, report)``: a :class:`GLVQLinear` (``glvq``/``scalar``) or an ``nn.Linear`` holding the
-    RTN weights (``rtn``), and ``{"rel_error", "bits_per_weight", "avg_code_bits"}`` where ``rel_error`` =
-    ``||(W - W_hat) X^T||^2 / ||W X^T||^2``.
+    RTN weights (``rtn``), and ``{"rel_error", "bits_per_weight", "avg_code_bits", "scalar_groups"}`` where
+    ``rel_error`` = ``||(W - W_hat) X^T||^2 / ||W X^T||^2``. ``init``: see :func:`quantize_group`.
     """
     if isinstance(linear, GLVQLinear):
         raise ValueError("GLVQ: this layer is already quantized")
@@ -410,14 +449,14 @@ def quantize_linear(
     sl = [slice(g * group_size, (g + 1) * group_size) for g in range(groups)]
 
     def run(bits_per_group: list[int]) -> list[GroupResult]:
-        return [quantize_group(W[:, s], H[s, s], b, dim, method, compand, steps) for s, b in zip(sl, bits_per_group, strict=True)]
+        return [quantize_group(W[:, s], H[s, s], b, dim, method, compand, steps, init=init) for s, b in zip(sl, bits_per_group, strict=True)]
 
     if sdba:
         cache: dict[tuple[int, int], GroupResult] = {}
 
         def result(g: int, b: int) -> GroupResult:
             if (g, b) not in cache:
-                cache[(g, b)] = quantize_group(W[:, sl[g]], H[sl[g], sl[g]], b, dim, method, compand, steps)
+                cache[(g, b)] = quantize_group(W[:, sl[g]], H[sl[g], sl[g]], b, dim, method, compand, steps, init=init)
             return cache[(g, b)]
 
         def error_of(alloc: torch.Tensor) -> float:
@@ -472,12 +511,15 @@ class GLVQ(pl.Callback):
         dim: lattice dimension d. Default: 8.
         compand: learn a mu-law compander per group. Default: False.
         sdba: salience-determined N-1 / N / N+1 bit allocation. Default: False.
-        steps: optimisation steps per group. Default: 200.
+        steps: optimisation steps per group (per start). Default: 200.
         calib_batches: training batches whose activations calibrate. Default: 8 (512 images at batch 64).
+        init: starting generation matrix of ``glvq``: ``cholesky`` (the card's G_0), ``scalar`` (the best
+            scalar lattice) or ``both`` (one run from each, the better kept). Default: both.
     """
 
     def __init__(self, targets: list[str], method: str = "glvq", bits: int = 2, group_size: int = 32, dim: int = 8,
-                 compand: bool = False, sdba: bool = False, steps: int = 200, calib_batches: int = 8) -> None:
+                 compand: bool = False, sdba: bool = False, steps: int = 200, calib_batches: int = 8,
+                 init: str = "both") -> None:
         if method not in METHODS:
             raise ValueError(f"GLVQ: method={method!r}; allowed: {', '.join(METHODS)}")
         _check_bits(bits)
@@ -485,6 +527,9 @@ class GLVQ(pl.Callback):
             raise ValueError(f"GLVQ: bits={bits} with sdba; allowed: >= 2")
         if calib_batches < 1:
             raise ValueError(f"GLVQ: calib_batches={calib_batches!r}; allowed: >= 1")
+        if init not in INITS:
+            raise ValueError(f"GLVQ: init={init!r}; allowed: {', '.join(INITS)}")
+        self.init = init
         self.targets, self.method, self.bits, self.group_size, self.dim = list(targets), method, bits, group_size, dim
         self.compand, self.sdba, self.steps, self.calib_batches = compand, sdba, steps, calib_batches
         self.report: list[dict[str, Any]] = []
@@ -517,7 +562,8 @@ class GLVQ(pl.Callback):
         self.report = []
         for name, lin in layers:
             X = torch.cat(inputs[name])
-            q, rep = quantize_linear(lin, X, self.bits, self.group_size, self.dim, self.method, self.compand, self.sdba, self.steps)
+            q, rep = quantize_linear(lin, X, self.bits, self.group_size, self.dim, self.method, self.compand, self.sdba, self.steps,
+                                     self.init)
             parent = pl_module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else pl_module
             setattr(parent, name.rsplit(".", 1)[-1], q.to(pl_module.device))
             self.report.append({"layer": name, **rep})

@@ -11,6 +11,7 @@ from torch import nn
 from lowrank_lit.methods.glvq import (
     GLVQ,
     GLVQLinear,
+    _cholesky_init,
     _decode,
     _encode,
     babai_round,
@@ -146,6 +147,30 @@ def test_8b_layer_error_never_above_the_scalar_lattices():
         _, g = quantize_linear(lin, Xc, bits, group_size=16, dim=8, steps=20)
         _, sc = quantize_linear(lin, Xc, bits, group_size=16, dim=8, method="scalar")
         assert g["rel_error"] <= sc["rel_error"] and 0 <= g["scalar_groups"] <= 4
+
+
+def test_8c_cholesky_init_and_best_of_both_starts():
+    # d-vectors with a known covariance: the card's G_0 is c * chol(cov) / 2^(b-1)
+    L = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.8, 0.6, 0.0, 0.0], [0.5, 0.3, 0.4, 0.0], [0.1, 0.2, 0.3, 0.9]], dtype=D)
+    Y = L @ _rand(4, 4000, seed=21)
+    G = _cholesky_init(Y, 2, lambda G: float(((G - 0.6 * L) ** 2).sum()), 64)
+    chol = torch.linalg.cholesky(torch.cov(Y))
+    torch.testing.assert_close(G / G[0, 0], chol / chol[0, 0], atol=1e-6, rtol=0)  # the shape of chol(cov)
+    assert torch.equal(G, torch.tril(G)) and 0.4 < float(G[0, 0]) < 0.8  # c picked on the loss: 2 * 0.6 / 2
+    assert _cholesky_init(torch.zeros(4, 50, dtype=D), 2, lambda G: 0.0, 8) is None  # degenerate covariance
+    # correlated d-vectors (each row of W repeats a pattern), every start kept-best
+    W = (_rand(32, 1, seed=22) * torch.tensor([1.0, 0.9, 0.7, 0.4] * 8, dtype=D)) + 0.05 * _rand(32, 32, seed=23)
+    X = _rand(128, 32, seed=24)
+    H = X.T @ X
+    runs = {init: quantize_group(W, H, 2, 4, "glvq", steps=40, init=init) for init in ("scalar", "cholesky", "both")}
+    scalar = quantize_group(W, H, 2, 4, "scalar")
+    assert all(r.loss <= scalar.loss + 1e-9 for r in runs.values())
+    assert runs["both"].loss == pytest.approx(min(runs["scalar"].loss, runs["cholesky"].loss), rel=1e-12)
+    assert runs["cholesky"].loss < 0.9 * scalar.loss  # the correlated group gains over the scalar lattice
+    with pytest.raises(ValueError, match="init='svd'"):
+        quantize_group(W, H, 2, 4, "glvq", init="svd")
+    with pytest.raises(ValueError, match="init='svd'"):
+        GLVQ(["fc"], init="svd")
 
 
 def test_9_scale_equivariance():
