@@ -137,6 +137,7 @@ class GroupResult:
     init_loss: float = float("nan")
     history: list[float] = field(default_factory=list)
     start: GroupResult | None = None  # glvq: the best scalar lattice it started from
+    runs: list[GroupResult] = field(default_factory=list)  # glvq: the best iterate of each start
 
     def decode(self, shape: tuple[int, int]) -> torch.Tensor:
         return _decode(self.G, self.codes, self.mu, self.scale, shape)
@@ -251,9 +252,12 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
         Gc = _cholesky_init(mulaw(Y, mu0) if compand else Y, bits, lambda G: loss_of(G, mu0)[0], scale_grid)
         if Gc is not None:
             starts.append(Gc)
-    best_state = (G0.clone(), mu0, Z0, float(loss0))  # never above the best scalar lattice
+    scalar_state = (G0.clone(), mu0, Z0, float(loss0))
+    best_state = scalar_state  # never above the best scalar lattice
+    run_bests = []  # each start's best iterate (for the per-layer choice of select_groups)
     history = [float(loss0)]
     for G_start in starts:
+        run_best = scalar_state
         G = G_start.clone().requires_grad_(True)
         log_mu = torch.tensor(math.log(mu0), dtype=torch.float64, requires_grad=True) if compand else None
         step = lr * max(float(G_start.diagonal().abs().mean()), 1e-8) if lr else 1e-3
@@ -273,29 +277,36 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
             mu_now = float(log_mu.detach().exp()) if log_mu is not None else 0.0
             val, Zn = loss_of(G.detach(), mu_now)
             history.append(float(val))
-            if float(val) < best_state[3]:
-                best_state = (G.detach().clone(), mu_now, Zn, float(val))
+            if float(val) < run_best[3]:
+                run_best = (G.detach().clone(), mu_now, Zn, float(val))
+        run_bests.append(run_best)
+        if run_best[3] < best_state[3]:
+            best_state = run_best
     Gb, mub, Zb, lb = best_state
     if torch.linalg.cond(Gb) > 1e8:
         raise ValueError(f"GLVQ: the generation matrix became ill-conditioned (cond {float(torch.linalg.cond(Gb)):.3g} > 1e8)")
     start = GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0))
-    return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history, start)
+    runs = [GroupResult(Zr, Gr, mur, scale, bits, lr_, float(loss0)) for Gr, mur, Zr, lr_ in run_bests
+            if torch.linalg.cond(Gr) <= 1e8]
+    return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history, start, runs)
 
 
 def select_groups(W: torch.Tensor, H: torch.Tensor, options: list[list[torch.Tensor]]) -> list[int]:
     """Choose one decoded block per column group so that the layer's output error is smallest.
 
-    ``options[g]`` are candidate decodings ``(m, n_g)`` of group g (for GLVQ: the learned lattice, then the
-    scalar lattice it started from). Per-group keep-best ignores the cross terms
-    ``tr(E_g H_{gg'} E_{g'}^T)`` of ``||(W - W_hat) X||^2``, so learned groups can add up to more layer error
-    than the scalar lattices (inferred fix, not in the paper): start from the better of all-first and
-    all-last, then switch single groups while that lowers the layer error. Never above either.
+    ``options[g]`` are candidate decodings ``(m, n_g)`` of group g (for GLVQ: the best learned lattice,
+    the best iterate of each start, and last the scalar lattice). Per-group keep-best ignores the cross
+    terms ``tr(E_g H_{gg'} E_{g'}^T)`` of ``||(W - W_hat) X||^2``, so learned groups can add up to more layer
+    error than the scalar lattices (inferred fix, not in the paper): start from the best uniform choice
+    (the j-th candidate of every group, j = 0 .. the last) and switch single groups while that lowers the
+    layer error. Never above any uniform choice, in particular all-scalar.
     """
     def error(choice: list[int]) -> float:
         return float(_loss(W - torch.cat([options[g][c] for g, c in enumerate(choice)], dim=1), H))
 
-    first, last = [0] * len(options), [len(o) - 1 for o in options]
-    choice, best = min(((first, error(first)), (last, error(last))), key=lambda t: t[1])
+    width = max(len(o) for o in options)
+    uniform = [[min(j, len(o) - 1) for o in options] for j in range(width)]
+    choice, best = min(((c, error(c)) for c in uniform), key=lambda t: t[1])
     improved = True
     while improved:
         improved = False
@@ -471,11 +482,10 @@ def quantize_linear(
     fallback = 0
     if method == "glvq":
         # the decodings GLVQLinear will serve (G stored in float32), learned lattice then its scalar start
-        options = [[_stored_decode(r, (m, group_size)), _stored_decode(r.start, (m, group_size))] if r.start is not None
-                   else [_stored_decode(r, (m, group_size))] for r in results]
-        choice = select_groups(W, H, options)
-        fallback = sum(c > 0 for c in choice)
-        results = [r if c == 0 else r.start for r, c in zip(results, choice, strict=True)]
+        candidates = [[r, *r.runs] + ([r.start] if r.start is not None else []) for r in results]
+        choice = select_groups(W, H, [[_stored_decode(c, (m, group_size)) for c in cands] for cands in candidates])
+        fallback = sum(r.start is not None and c == len(cands) - 1 for r, c, cands in zip(results, choice, candidates, strict=True))
+        results = [cands[c] for c, cands in zip(choice, candidates, strict=True)]
     layer = GLVQLinear(n, m, group_size, dim, bias=linear.bias is not None)
     layer.set_groups(results)
     if linear.bias is not None:
