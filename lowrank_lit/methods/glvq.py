@@ -291,15 +291,21 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
     return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history, start, runs)
 
 
-def select_groups(W: torch.Tensor, H: torch.Tensor, options: list[list[torch.Tensor]]) -> list[int]:
+def select_groups(W: torch.Tensor, H: torch.Tensor, options: list[list[torch.Tensor]], max_passes: int = 20) -> list[int]:
     """Choose one decoded block per column group so that the layer's output error is smallest.
 
-    ``options[g]`` are candidate decodings ``(m, n_g)`` of group g (for GLVQ: the best learned lattice,
-    the best iterate of each start, and last the scalar lattice). Per-group keep-best ignores the cross
-    terms ``tr(E_g H_{gg'} E_{g'}^T)`` of ``||(W - W_hat) X||^2``, so learned groups can add up to more layer
-    error than the scalar lattices (inferred fix, not in the paper): start from the best uniform choice
-    (the j-th candidate of every group, j = 0 .. the last) and switch single groups while that lowers the
-    layer error. Never above any uniform choice, in particular all-scalar.
+    ``options[g]`` are candidate decodings ``(m, n_g)`` of group g, the groups being consecutive column
+    blocks of ``W (m, n)`` (for GLVQ: the best learned lattice, the best iterate of each start, and last
+    the scalar lattice). Per-group keep-best ignores the cross terms ``tr(E_g H_{gg'} E_{g'}^T)`` of
+    ``||(W - W_hat) X||^2``, so learned groups can add up to more layer error than the scalar lattices
+    (inferred fix, not in the paper): start from the best uniform choice (the j-th candidate of every
+    group, j = 0 .. the last) and switch single groups while that lowers the layer error. Never above any
+    uniform choice, in particular all-scalar.
+
+    A switch of group g from ``W_hat_g`` to ``W_hat_g'`` changes the error by
+    ``2 <D, (E H)_g> + tr(D H_gg D^T)`` with ``D = W_hat_g - W_hat_g'``; ``P = E H (m, n)`` is updated in
+    place on every accepted switch, so a pass costs ``O(m n_g^2)`` per candidate instead of a full
+    ``O(m n^2)`` evaluation (a 4096 x 4096 layer stays cheap).
     """
     def error(choice: list[int]) -> float:
         return float(_loss(W - torch.cat([options[g][c] for g, c in enumerate(choice)], dim=1), H))
@@ -307,17 +313,27 @@ def select_groups(W: torch.Tensor, H: torch.Tensor, options: list[list[torch.Ten
     width = max(len(o) for o in options)
     uniform = [[min(j, len(o) - 1) for o in options] for j in range(width)]
     choice, best = min(((c, error(c)) for c in uniform), key=lambda t: t[1])
-    improved = True
-    while improved:
+    offsets = [0]
+    for o in options:
+        offsets.append(offsets[-1] + o[0].shape[1])
+    E = W - torch.cat([options[g][c] for g, c in enumerate(choice)], dim=1)  # (m, n)
+    P = E @ H  # (m, n)
+    tol = 1e-10 * max(best, 1e-300)  # accept only clear decreases: no cycling on rounding noise
+    for _ in range(max_passes):
         improved = False
         for g, opts in enumerate(options):
+            sl = slice(offsets[g], offsets[g + 1])
+            Hgg = H[sl, sl]  # (n_g, n_g)
             for c in range(len(opts)):
                 if c == choice[g]:
                     continue
-                trial = choice[:g] + [c] + choice[g + 1 :]
-                err = error(trial)
-                if err < best:
-                    choice, best, improved = trial, err, True
+                D = opts[choice[g]] - opts[c]  # (m, n_g): the change of E_g
+                delta = float(2 * (D * P[:, sl]).sum() + ((D @ Hgg) * D).sum())
+                if delta < -tol:
+                    P += D @ H[sl, :]
+                    choice[g], best, improved = c, best + delta, True
+        if not improved:
+            break
     return choice
 
 

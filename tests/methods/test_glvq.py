@@ -139,6 +139,28 @@ def test_8b_layer_error_never_above_the_scalar_lattices():
     choice = select_groups(W, H, [[learned[0], scalar[0]], [learned[1], scalar[1]]])
     assert choice == [1, 1] and err(scalar) < 1e-20
     assert select_groups(W, H, [[scalar[0], learned[0]], [scalar[1], learned[1]]]) == [0, 0]
+    # the incremental search follows the plain one (full error re-evaluated for every trial switch)
+    g = torch.Generator().manual_seed(7)
+    W2 = torch.randn(12, 16, dtype=D, generator=g)
+    X2 = torch.randn(64, 4, dtype=D, generator=g) @ torch.randn(4, 16, dtype=D, generator=g)
+    H2 = X2.T @ X2
+    opts = [[W2[:, 4 * k : 4 * k + 4] + 0.3 * torch.randn(12, 4, dtype=D, generator=g) for _ in range(3)] for k in range(4)]
+
+    def full(choice):
+        E = W2 - torch.cat([opts[k][c] for k, c in enumerate(choice)], dim=1)
+        return float(torch.trace(E @ H2 @ E.T))
+
+    ref, ref_err = min(([[j] * 4, full([j] * 4)] for j in range(3)), key=lambda t: t[1])
+    improved = True
+    while improved:
+        improved = False
+        for k in range(4):
+            for c in range(3):
+                trial = ref[:k] + [c] + ref[k + 1 :]
+                if c != ref[k] and full(trial) < ref_err:
+                    ref, ref_err, improved = trial, full(trial), True
+    got = select_groups(W2, H2, opts)
+    assert got == ref and full(got) <= min(full([j] * 4) for j in range(3))
     # the layer: GLVQ's reported output error <= the scalar lattice's, on correlated inputs at 2 and 3 bits
     torch.manual_seed(0)
     lin = nn.Linear(64, 16)
