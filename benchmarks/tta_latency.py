@@ -1,6 +1,7 @@
 """Per-batch latency of Tent + ReservoirTTA (7 models) over plain Tent on the digits corruption stream (same run).
 
     python benchmarks/tta_latency.py [--batches 72] [--source-ckpt PATH] [--no-ensembling]
+                                     [--widths 32 32 32] [--image-size 16]
 
 Both adapt the same GroupNorm CNN on the same CSC stream (6 corruptions, 12 batches of 64 per visit);
 batches alternate between the two so machine noise hits both alike. By the first recurrence's end the
@@ -9,6 +10,8 @@ reservoir holds 7 models (source + one per corruption); the timing starts after 
 reservoir's one-off setup (1000 source styles for the threshold) is reported separately.
 Prints the median per-batch latencies and their ratio (target <= 1.5x). ``--no-ensembling`` predicts
 with the routed copy (its adaptation forward pass gives the prediction: one forward pass less per batch).
+``--widths`` / ``--image-size`` time a larger CNN on larger images (random weights; the stream's
+digits are upsampled to that size) to see how the fixed per-batch costs scale.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=72, help="timed batches per method (after the first recurrence)")
     parser.add_argument("--source-ckpt", default=None)
     parser.add_argument("--no-ensembling", action="store_true", help="predict with the routed copy instead of the q-weighted average")
+    parser.add_argument("--widths", type=int, nargs="+", default=[32, 32, 32], help="GroupNormCNN conv widths")
+    parser.add_argument("--image-size", type=int, default=16, help="side of the (upsampled) digits")
     args = parser.parse_args()
-    dm = DigitsCorruptionDataModule(recurrences=1 + -(-args.batches // 72))
+    dm = DigitsCorruptionDataModule(recurrences=1 + -(-args.batches // 72), image_size=args.image_size)
     dm.setup()
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        m = GroupNormCNN(widths=[32, 32, 32])
+        m = GroupNormCNN(widths=args.widths)
         if args.source_ckpt:
             load_backbone(m, args.source_ckpt)
         models.append(m)
