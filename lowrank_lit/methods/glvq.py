@@ -307,17 +307,16 @@ def select_groups(W: torch.Tensor, H: torch.Tensor, options: list[list[torch.Ten
     place on every accepted switch, so a pass costs ``O(m n_g^2)`` per candidate instead of a full
     ``O(m n^2)`` evaluation (a 4096 x 4096 layer stays cheap).
     """
-    def error(choice: list[int]) -> float:
-        return float(_loss(W - torch.cat([options[g][c] for g, c in enumerate(choice)], dim=1), H))
+    def scored(choice: list[int]) -> tuple[float, list[int], torch.Tensor]:
+        E = W - torch.cat([options[g][c] for g, c in enumerate(choice)], dim=1)  # (m, n) residual
+        P = E @ H  # (m, n)
+        return float((E * P).sum()), choice, P  # tr(E H E^T)
 
     width = max(len(o) for o in options)
-    uniform = [[min(j, len(o) - 1) for o in options] for j in range(width)]
-    choice, best = min(((c, error(c)) for c in uniform), key=lambda t: t[1])
+    best, choice, P = min((scored([min(j, len(o) - 1) for o in options]) for j in range(width)), key=lambda t: t[0])
     offsets = [0]
     for o in options:
         offsets.append(offsets[-1] + o[0].shape[1])
-    E = W - torch.cat([options[g][c] for g, c in enumerate(choice)], dim=1)  # (m, n)
-    P = E @ H  # (m, n)
     tol = 1e-10 * max(best, 1e-300)  # accept only clear decreases: no cycling on rounding noise
     for _ in range(max_passes):
         improved = False
