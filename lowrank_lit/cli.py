@@ -22,6 +22,8 @@ import importlib
 import netrc
 import os
 import re
+import shlex
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -93,6 +95,17 @@ def experiment_from_configs(config_paths: Sequence[Any] | None) -> str:
 
 
 # --------------------------------------------------------------------------- LightningCLI
+def _is_rank_zero() -> bool:
+    return all(int(os.environ.get(k, "0") or 0) == 0 for k in ("LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def _stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 class ConfigError(Exception):
     """A config value was accepted by the parser but rejected by the class it configures."""
 
@@ -105,11 +118,12 @@ def _build_cli_class() -> type:
     """Define :class:`LowrankCLI` lazily so ``lowrank list``/``--help`` never import Lightning."""
     import lightning.pytorch as pl
     from jsonargparse import Namespace
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
     from lowrank_lit.callbacks.config import RunConfigCallback
+    from lowrank_lit.callbacks.resume import ResumeCheckpoint
     from lowrank_lit.callbacks.rng import RNGStateCheckpoint
     from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir, slurm_run_id
 
@@ -127,6 +141,8 @@ def _build_cli_class() -> type:
         """
 
         run_dir: RunDir | None = None
+        #: the run directory of the most recent run in this process (for the closing message)
+        last_run_dir: RunDir | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("subclass_mode_model", True)
@@ -156,6 +172,13 @@ def _build_cli_class() -> type:
                 help="Re-enter this run directory (resume). Default: the SLURM job id, else a new unique id.",
             )
             parser.add_argument(
+                "--checkpoint_every_n_steps",
+                type=int,
+                default=0,
+                help="Also write checkpoints/last.ckpt every this many optimizer steps (it is always written at every "
+                "epoch end and when the run is interrupted by SIGINT, SIGTERM or SIGUSR1). 0: epoch ends only.",
+            )
+            parser.add_argument(
                 "--test_after_fit",
                 type=bool,
                 default=False,
@@ -175,26 +198,55 @@ def _build_cli_class() -> type:
             self.run_dir = run_dir
             cfg.experiment = experiment
             cfg.trainer.default_root_dir = str(run_dir.path)
-            cfg.trainer.logger = self._loggers(cfg.trainer.get("logger"), run_dir)
-            cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg.trainer)
-            if self.subcommand == "fit" and run_dir.resumed:
-                self._resume_point(cfg, run_dir)
+            type(self).last_run_dir = run_dir
+            try:
+                cfg.trainer.logger = self._loggers(cfg.trainer.get("logger"), run_dir)
+                cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg, self.subcommand)
+                if self.subcommand == "fit":
+                    self._resume_point(cfg, run_dir)
+            except BaseException:
+                self._remove_if_new(run_dir)
+                raise
+            if _is_rank_zero():
+                print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else ""),
+                      flush=True)
+
+        @staticmethod
+        def _remove_if_new(run_dir: RunDir) -> None:
+            """Remove a run directory this run created when nothing was written into it."""
+            if not run_dir.resumed and run_dir.path.is_dir() and not any(run_dir.path.iterdir()):
+                run_dir.path.rmdir()
 
         @staticmethod
         def _resume_point(cfg: Namespace, run_dir: RunDir) -> None:
-            """Re-entering a run directory never restarts training over its checkpoints.
+            """Re-entering a run directory never restarts training over its checkpoints, and never silently.
 
-            A requeued SLURM job resumes from Lightning's ``hpc_ckpt_*.ckpt`` (ckpt_path stays None)
-            or, when there is none, from ``checkpoints/last.ckpt``. Re-entering with ``--run_id`` needs
-            an explicit ``--ckpt_path`` once the run has checkpoints.
+            ``--ckpt_path last`` resolves to the run's ``checkpoints/last.ckpt`` (an error naming the run
+            directory when there is none). A requeued SLURM job resumes from Lightning's
+            ``hpc_ckpt_*.ckpt`` (ckpt_path stays None) or, when there is none, from ``checkpoints/last.ckpt``.
+            Re-entering with ``--run_id`` needs an explicit ``--ckpt_path`` once the run has checkpoints.
             """
-            if cfg.get("ckpt_path") is not None:
-                return
             ckpts = run_dir.path / "checkpoints"
+            last = ckpts / "last.ckpt"
+            if cfg.get("ckpt_path") == "last":
+                if not run_dir.resumed:
+                    raise ConfigError(
+                        f"--ckpt_path last: {run_dir.path} is a new run directory with nothing to resume; "
+                        "pass --run_id <id> of the run to continue (its directory is printed when it starts)"
+                    )
+                if not last.is_file():
+                    raise ConfigError(
+                        f"--ckpt_path last: no checkpoint to resume in {run_dir.path} (no checkpoints/last.ckpt); "
+                        "drop --ckpt_path to start this run over, or pick another --run_id"
+                    )
+                cfg.ckpt_path = str(last)
+                return
+            if cfg.get("ckpt_path") is not None or not run_dir.resumed:
+                return
             has_ckpts = ckpts.is_dir() and any(ckpts.glob("*.ckpt"))
             if slurm_run_id() == run_dir.run_id and not cfg.get("run_id"):
-                if not any(run_dir.path.glob("hpc_ckpt_*.ckpt")) and (ckpts / "last.ckpt").is_file():
-                    cfg.ckpt_path = "last"
+                if not any(run_dir.path.glob("hpc_ckpt_*.ckpt")) and last.is_file():
+                    cfg.ckpt_path = str(last)
                 return
             if has_ckpts:
                 raise ConfigError(
@@ -203,17 +255,35 @@ def _build_cli_class() -> type:
                 )
 
         @staticmethod
-        def _callbacks(value: Any, trainer_cfg: Namespace) -> list:
-            """Every run keeps ``checkpoints/last.ckpt`` (resumable) unless a ModelCheckpoint is configured."""
+        def _callbacks(value: Any, cfg: Namespace, subcommand: str | None) -> list:
+            """Add what every run needs: ``checkpoints/last.ckpt`` kept current (fit) and log-friendly progress.
+
+            * :class:`~lowrank_lit.callbacks.ResumeCheckpoint` writes ``last.ckpt`` at every epoch end, every
+              ``--checkpoint_every_n_steps`` steps and on interruption; a configured ``ModelCheckpoint``
+              keeps its best/top-k files but leaves ``last.ckpt`` to it (one writer, so resuming is exact).
+            * With stdout not a terminal and no progress bar configured, :class:`~lowrank_lit.callbacks.LogProgress`
+              prints plain lines instead of the Rich bar (which shows nothing in a log file).
+            """
+            trainer_cfg = cfg.trainer
             entries = [] if value is None else list(value) if isinstance(value, list) else [value]
-            has_ckpt = any(issubclass(_import(e.class_path), ModelCheckpoint) for e in entries)
-            if not has_ckpt and trainer_cfg.get("enable_checkpointing") is not False:
+            classes = [_import(e.class_path) for e in entries]
+            checkpointing = trainer_cfg.get("enable_checkpointing") is not False
+            if subcommand == "fit" and checkpointing and not any(issubclass(c, ResumeCheckpoint) for c in classes):
+                for entry, cls in zip(entries, classes, strict=True):
+                    args = entry.get("init_args") or Namespace()
+                    if issubclass(cls, ModelCheckpoint) and args.get("save_last") and args.get("dirpath") is None:
+                        args.save_last = False  # last.ckpt has one writer: ResumeCheckpoint
+                        entry.init_args = args
+                every = cfg.get("checkpoint_every_n_steps") or 0
                 entries.append(
                     Namespace(
-                        class_path="lightning.pytorch.callbacks.ModelCheckpoint",
-                        init_args=Namespace(save_last=True, save_top_k=0),
+                        class_path="lowrank_lit.callbacks.ResumeCheckpoint",
+                        init_args=Namespace(every_n_train_steps=int(every)),
                     )
                 )
+            wants_bar = trainer_cfg.get("enable_progress_bar") is not False
+            if wants_bar and not any(issubclass(c, ProgressBar) for c in classes) and not _stdout_is_terminal():
+                entries.append(Namespace(class_path="lowrank_lit.callbacks.LogProgress", init_args=Namespace()))
             return entries
 
         def instantiate_classes(self) -> None:
@@ -224,9 +294,8 @@ def _build_cli_class() -> type:
             try:
                 super().instantiate_classes()
             except Exception as exc:
-                run_dir = self.run_dir
-                if run_dir is not None and not run_dir.resumed and not any(run_dir.path.iterdir()):
-                    run_dir.path.rmdir()
+                if self.run_dir is not None:
+                    self._remove_if_new(self.run_dir)
                 root = exc
                 while root.__cause__ is not None:
                     root = root.__cause__
@@ -405,14 +474,58 @@ def main(args: Sequence[str] | None = None) -> int:
         )
         return 2
     from jsonargparse import ArgumentError
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    cli_class = __getattr__("LowrankCLI")
+    cli_class.last_run_dir = None
     try:
         # args=None lets LightningCLI read sys.argv itself (it warns when both are given)
-        __getattr__("LowrankCLI")(args=None if args is None else argv)
+        cli_class(args=None if args is None else argv)
     except ArgumentError as exc:
         print(f"lowrank {argv[0]}: error: {_one_line_error(exc)}", file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(f"lowrank {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
+    except SIGTERMException as exc:
+        run_dir = cli_class.last_run_dir
+        if _is_rank_zero():
+            print(interrupted_message(argv, run_dir, exc), file=sys.stderr, flush=True)
+        code = exc.code if isinstance(exc.code, int) and exc.code else 128 + int(signal.SIGTERM)
+        return code
+    run_dir = cli_class.last_run_dir
+    if run_dir is not None and _is_rank_zero():
+        print(f"run {run_dir.experiment}/{run_dir.run_id} finished: {run_dir.path}", flush=True)
     return 0
+
+
+def resume_command(argv: Sequence[str], run_id: str) -> str:
+    """The command that resumes a run: ``argv`` without ``--run_id``/``--ckpt_path``, plus both for this run."""
+    keep: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        if arg in ("--run_id", "--ckpt_path"):
+            skip_next = True
+            continue
+        if arg.startswith(("--run_id=", "--ckpt_path=")):
+            continue
+        keep.append(arg)
+    return shlex.join(["lowrank", *keep, "--run_id", run_id, "--ckpt_path", "last"])
+
+
+def interrupted_message(argv: Sequence[str], run_dir: Any, exc: BaseException) -> str:
+    """What an interrupted run prints: where it stopped, what was saved, and the exact resume command."""
+    what = str(exc) if str(exc) and not str(exc).isdigit() else "interrupted"
+    if run_dir is None:
+        return f"lowrank {argv[0]}: {what}"
+    ckpt = run_dir.path / "checkpoints" / "last.ckpt"
+    lines = [f"lowrank {argv[0]}: {what}; run directory {run_dir.path}"]
+    if ckpt.is_file():
+        lines.append(f"  checkpoint: {ckpt}")
+        lines.append(f"  resume with: {resume_command(argv, run_dir.run_id)}")
+    else:
+        lines.append("  no checkpoint was written (interrupted before the first training batch ended)")
+    return "\n".join(lines)

@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from lowrank_lit.data.loader import ResumableDataLoader
+
 __all__ = ["CIFAR10DataModule"]
 
 _MEAN = (0.4914, 0.4822, 0.4465)
@@ -81,7 +83,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         self.test_set = datasets.CIFAR10(str(self.data_dir), train=False, transform=eval_tf, download=False)
 
     def _loader(self, dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
                           pin_memory=True, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:

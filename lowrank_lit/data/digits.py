@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from lowrank_lit.data.loader import ResumableDataLoader
+
 __all__ = ["DigitsDataModule"]
 
 _NUM_CLASSES = 10
@@ -142,7 +144,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: TensorDataset | None, shuffle: bool) -> DataLoader:
         assert dataset is not None, "call setup() first"
-        return DataLoader(
+        return ResumableDataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lowrank_lit.data.groups import GroupBatchSampler
+from lowrank_lit.data.loader import ResumableDataLoader
 
 __all__ = ["batch_effect_data", "gene_curves", "SyntheticSTDataModule", "SpatialTranscriptomicsDataModule"]
 
@@ -154,8 +155,8 @@ class _GroupedDataModule(pl.LightningDataModule):
         if self.group_batches:
             groups = ds.tensors[2]
             sampler = GroupBatchSampler(SequentialSampler(ds), self.batch_size, groups=groups, seed=self.seed)
-            return DataLoader(ds, batch_sampler=sampler, num_workers=self.num_workers)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+            return ResumableDataLoader(ds, batch_sampler=sampler, num_workers=self.num_workers)
+        return ResumableDataLoader(ds, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
 
     def _eval_loader(self, name: str) -> DataLoader:
         return DataLoader(self.splits[name], batch_size=max(self.batch_size, 1024), num_workers=self.num_workers)

@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lowrank_lit.data.loader import ResumableDataLoader
+
 __all__ = ["TensorDataModule"]
 
 
@@ -69,7 +71,7 @@ class TensorDataModule(pl.LightningDataModule):
         dataset = self._splits.get(name)
         if dataset is None:
             raise ValueError(f"TensorDataModule: no {name!r} split was given")
-        return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
+        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=self.shuffle)

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lowrank_lit.data.loader import ResumableDataLoader
+
 __all__ = ["CharTextDataModule", "read_text_bytes"]
 
 
@@ -118,7 +120,7 @@ class CharTextDataModule(pl.LightningDataModule):
             raise ValueError(f"CharTextDataModule: the validation split ({len(data) - cut} bytes) is shorter than one window of {self.context + 1}")
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
+        return ResumableDataLoader(self.splits["train"], batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.splits["val"], batch_size=max(self.batch_size, 64), num_workers=self.num_workers)

@@ -1,0 +1,150 @@
+"""Plain progress lines for logs (SLURM output files, ``> file``, CI), where a live bar prints nothing.
+
+``lowrank`` uses :class:`LogProgress` instead of Lightning's Rich bar whenever stdout is not a
+terminal and no progress bar is configured. It prints one line per epoch::
+
+    epoch 3/30  step 80  train/loss 0.1203  val/acc 0.9704  val/loss 0.1121  elapsed 0:00:04  left ~0:00:36
+
+and, inside long epochs, a line every ``every_n_steps`` optimizer steps or ``every_n_seconds``
+seconds (whichever comes first). Compose it explicitly with
+``--trainer.callbacks+=lowrank_lit.callbacks.LogProgress``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from datetime import timedelta
+from typing import Any, TextIO
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
+
+__all__ = ["LogProgress", "format_metrics"]
+
+
+def _duration(seconds: float) -> str:
+    return str(timedelta(seconds=int(max(seconds, 0))))
+
+
+def format_metrics(metrics: dict[str, Any], prefixes: tuple[str, ...] = ("train/", "val/"), per: str = "epoch") -> str:
+    """``train/loss 0.1203  val/acc 0.9704`` from Lightning's logged metrics (scalars, sorted).
+
+    A metric logged per step and per epoch (``x_step`` / ``x_epoch``) is shown once, as ``x``: its
+    ``per="epoch"`` value (epoch lines) or its ``per="step"`` value (lines inside an epoch).
+    """
+    if per not in ("epoch", "step"):
+        raise ValueError(f"format_metrics: per={per!r}; allowed: epoch, step")
+    other = "_step" if per == "epoch" else "_epoch"
+    shown: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not key.startswith(prefixes) or key.endswith(other):
+            continue
+        if getattr(value, "numel", lambda: 1)() != 1:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        shown[key.removesuffix(f"_{per}")] = number
+    return "  ".join(f"{k} {v:.4g}" for k, v in sorted(shown.items()))
+
+
+class LogProgress(ProgressBar):
+    """A progress "bar" that prints plain lines: one per epoch, and periodic ones inside long epochs.
+
+    Args:
+        every_n_steps: also print a line every this many optimizer steps inside an epoch; 0 turns
+            step lines off. Default: 0.
+        every_n_seconds: also print a line when this many seconds passed since the last line
+            (long epochs); 0 turns it off. Default: 60.
+        stream: where to print. Default: ``sys.stdout``.
+    """
+
+    def __init__(self, every_n_steps: int = 0, every_n_seconds: float = 60.0, stream: TextIO | None = None) -> None:
+        super().__init__()
+        if not isinstance(every_n_steps, int) or every_n_steps < 0:
+            raise ValueError(f"LogProgress: every_n_steps={every_n_steps!r} must be an integer >= 0")
+        if not isinstance(every_n_seconds, int | float) or every_n_seconds < 0:
+            raise ValueError(f"LogProgress: every_n_seconds={every_n_seconds!r} must be a number >= 0")
+        self.every_n_steps = every_n_steps
+        self.every_n_seconds = float(every_n_seconds)
+        self.stream = stream
+        self._enabled = True
+        self._start = 0.0
+        self._last_line = 0.0
+        self._start_step = 0
+
+    # ProgressBar interface
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled and self.trainer.is_global_zero
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_enabled:
+            print(*args, file=self.stream or sys.stdout, flush=True, **kwargs)
+
+    # lines
+    def _epochs(self, trainer: Trainer) -> str:
+        return f"{trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else str(trainer.current_epoch + 1)
+
+    def _remaining(self, trainer: Trainer, epoch_done: bool) -> str:
+        elapsed = time.monotonic() - self._start
+        fractions = []
+        if trainer.max_steps and trainer.max_steps > 0 and trainer.global_step > self._start_step:
+            fractions.append((trainer.global_step - self._start_step) / max(trainer.max_steps - self._start_step, 1))
+        if trainer.max_epochs and trainer.max_epochs > 0:
+            total = self.total_train_batches
+            within = (trainer.fit_loop.epoch_loop.batch_progress.current.completed / total) if isinstance(total, int) and total > 0 and not epoch_done else 0.0
+            done = trainer.current_epoch + (1.0 if epoch_done else within)
+            start_epoch = getattr(self, "_start_epoch", 0)
+            if trainer.max_epochs > start_epoch:
+                fractions.append((done - start_epoch) / (trainer.max_epochs - start_epoch))
+        fraction = max(fractions) if fractions else 0.0
+        left = f"  left ~{_duration(elapsed * (1 - fraction) / fraction)}" if 0 < fraction < 1 else ""
+        return f"elapsed {_duration(elapsed)}{left}"
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = self._last_line = time.monotonic()
+        self._start_step = trainer.global_step
+        self._start_epoch = trainer.current_epoch
+        what = f"{trainer.max_epochs} epochs" if trainer.max_epochs and trainer.max_epochs > 0 else f"{trainer.max_steps} steps"
+        batches = self.total_train_batches
+        per_epoch = f", {batches} batches per epoch" if isinstance(batches, int) else ""
+        resumed = f" (resumed at epoch {trainer.current_epoch}, step {trainer.global_step})" if trainer.global_step else ""
+        self.print(f"training: {what}{per_epoch}{resumed}")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.monotonic()
+        by_steps = self.every_n_steps and trainer.global_step > 0 and trainer.global_step % self.every_n_steps == 0
+        by_time = self.every_n_seconds and now - self._last_line >= self.every_n_seconds
+        total = self.total_train_batches
+        last = isinstance(total, int) and batch_idx + 1 >= total
+        if (by_steps or by_time) and not last:
+            self._last_line = now
+            metrics = format_metrics(trainer.progress_bar_metrics, prefixes=("train/",), per="step")
+            where = f"{batch_idx + 1}/{total}" if isinstance(total, int) else str(batch_idx + 1)
+            self.print(f"epoch {self._epochs(trainer)}  batch {where}  step {trainer.global_step}  {metrics}  "
+                       f"{self._remaining(trainer, epoch_done=False)}")
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_line = time.monotonic()
+        metrics = format_metrics(trainer.callback_metrics)
+        self.print(f"epoch {self._epochs(trainer)}  step {trainer.global_step}  {metrics}  {self._remaining(trainer, epoch_done=True)}")
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.print(f"test: {format_metrics(trainer.callback_metrics, prefixes=('test/',))}")
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self.print(f"validate: {format_metrics(trainer.callback_metrics, prefixes=('val/',))}")
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.print(f"training done: {trainer.current_epoch} epochs, {trainer.global_step} steps in {_duration(time.monotonic() - self._start)}")
+
