@@ -1,0 +1,96 @@
+"""The user-facing docs: every markdown table is well formed, and pages speak of claims, not of our process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_DELIM_CELL = re.compile(r"^\s*:?-{3,}:?\s*$")
+
+
+def _cells(line: str) -> list[str]:
+    """Cells of a table row (a `|` inside backticks or escaped as `\\|` does not split)."""
+    body = line.strip()
+    body = body[1:] if body.startswith("|") else body
+    body = body[:-1] if body.endswith("|") and not body.endswith("\\|") else body
+    cells, cur, in_code = [], "", False
+    i = 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\" and i + 1 < len(body):
+            cur += body[i : i + 2]
+            i += 2
+            continue
+        if ch == "`":
+            in_code = not in_code
+        if ch == "|" and not in_code:
+            cells.append(cur)
+            cur = ""
+        else:
+            cur += ch
+        i += 1
+    cells.append(cur)
+    return [c.strip() for c in cells]
+
+
+def table_problems(text: str) -> list[str]:
+    """Problems of the markdown tables in ``text``: a header without a delimiter row, rows whose cell
+    count differs from the header's, or a table interrupted by a blank line and continued."""
+    problems = []
+    lines = text.splitlines()
+    in_fence = False
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _FENCE.match(line):
+            in_fence = not in_fence
+            i += 1
+            continue
+        if in_fence or not line.lstrip().startswith("|"):
+            i += 1
+            continue
+        start = i
+        block = []
+        while i < len(lines) and lines[i].lstrip().startswith("|"):
+            block.append(lines[i])
+            i += 1
+        header = _cells(block[0])
+        if len(block) < 2 or not all(_DELIM_CELL.match(c) for c in _cells(block[1])):
+            problems.append(f"line {start + 1}: table row without a header/delimiter row above it")
+            continue
+        if len(_cells(block[1])) != len(header):
+            problems.append(f"line {start + 2}: delimiter row has {len(_cells(block[1]))} cells, header {len(header)}")
+        for k, row in enumerate(block[2:], start=start + 3):
+            if len(_cells(row)) != len(header):
+                problems.append(f"line {k}: {len(_cells(row))} cells, header has {len(header)}")
+    return problems
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_markdown_tables_are_well_formed(page):
+    assert table_problems(page.read_text()) == []
+
+
+def test_table_checker_catches_broken_tables():
+    good = "| a | b |\n|---|---|\n| 1 | `x|y` |\n"
+    assert table_problems(good) == []
+    assert table_problems("| a | b |\n|---|---|\n| 1 | 2 | 3 |\n") == ["line 3: 3 cells, header has 2"]
+    assert table_problems("text\n| 1 | 2 |\n") == ["line 2: table row without a header/delimiter row above it"]
+    assert table_problems("| a | b |\n|---|---|\n\n| 1 | 2 |\n")[0].startswith("line 4")
+
+
+# words from how the project is organised, not from what a user reads
+_IN_HOUSE = re.compile(r"\b(the card|card's|cards'|method card|paper \d\d\b|the issue|issue's|issue \d+)", re.I)
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_speak_of_claims_and_criteria(page):
+    hits = [f"line {n}: {m.group(0)!r}" for n, line in enumerate(page.read_text().splitlines(), 1)
+            for m in _IN_HOUSE.finditer(line)]
+    assert hits == [], "say 'the paper's claim' or 'our acceptance criterion' instead"
