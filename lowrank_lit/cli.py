@@ -18,13 +18,17 @@ W&B files (offline unless an API key is configured or ``WANDB_MODE=online``).
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
+import logging
 import netrc
 import os
 import re
 import shlex
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -110,8 +114,79 @@ class ConfigError(Exception):
     """A config value was accepted by the parser but rejected by the class it configures."""
 
 
+#: ckpt_path values Lightning resolves itself (not file names)
+_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+_INPUT_KEY_RE = re.compile(r"(^|\.)(ckpt_path|[a-z_]*_ckpt|init_from)$")
+_FIRST_RE = re.compile(r"^#\s*First:\s*(lowrank\s+\S+\s+--config\s+\S+)")
+
+
+def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
+    """The ``# First: lowrank fit --config ...`` line of the first ``--config`` file that has one."""
+    for p in config_paths or []:
+        path = Path(str(getattr(p, "relative", p)))
+        try:
+            header = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in header:
+            if not line.startswith("#"):
+                break
+            if m := _FIRST_RE.match(line):
+                return m.group(1)
+    return None
+
+
+def check_input_files(cfg: Any) -> None:
+    """Checkpoints a run starts from (``ckpt_path``, ``*_ckpt``, ``init_from``) must exist before anything runs.
+
+    Raises:
+        ConfigError: naming the key, the missing file and, when a config says so in a ``# First:`` line,
+            the command that makes it.
+    """
+    missing = []
+    for key, value in cfg.items():
+        if not isinstance(value, str) or not _INPUT_KEY_RE.search(key) or "://" in value:
+            continue
+        if key == "ckpt_path" and value in _CKPT_KEYWORDS:
+            continue
+        if not Path(value).exists():
+            missing.append((key, value))
+    if missing:
+        key, value = missing[0]
+        first = prerequisite_command(cfg.get("config"))
+        hint = f"; make it first with: {first}" if first else "; train that model first or fix the path"
+        raise ConfigError(f"{key}={value!r} does not exist{hint}")
+
+
 def _first_line(exc: BaseException) -> str:
     return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
+#: messages every run printed that say nothing about the run (matched at the start of the text)
+KNOWN_NOISE = (
+    "💡 Tip: For seamless",  # Lightning's advertisement for litlogger / litmodels
+    "`weights_only` was not set",  # Lightning, at every checkpoint save; lowrank checkpoints hold full state
+    r".*isinstance\(treespec, LeafSpec\)",  # Lightning's use of a deprecated torch pytree API
+    # the run directory already holds config.yaml (and wandb/); metrics.csv of an earlier attempt is kept as
+    # metrics.<n>.csv by the run directory before the CSV logger starts, so nothing is deleted
+    "Experiment logs directory .* exists and is not empty",
+)
+
+
+class _DropKnownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(re.match(pattern, text) for pattern in KNOWN_NOISE)
+
+
+def quiet_known_noise() -> None:
+    """Silence the messages in :data:`KNOWN_NOISE` (warnings and Lightning's log lines); idempotent."""
+    for pattern in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _DropKnownNoise) for f in handler.filters):
+                handler.addFilter(_DropKnownNoise())
 
 
 def _build_cli_class() -> type:
@@ -126,6 +201,8 @@ def _build_cli_class() -> type:
     from lowrank_lit.callbacks.resume import ResumeCheckpoint
     from lowrank_lit.callbacks.rng import RNGStateCheckpoint
     from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir, slurm_run_id
+
+    quiet_known_noise()
 
     def _import(class_path: str) -> type:
         module, _, name = class_path.rpartition(".")
@@ -151,10 +228,25 @@ def _build_cli_class() -> type:
             kwargs.setdefault("save_config_callback", RunConfigCallback)
             # a directory is only re-entered by the same SLURM job or an explicit --run_id
             kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-            kwargs.setdefault("parser_kwargs", {"exit_on_error": False})
+            # no prefix matching: --trainer.max_epoch must not silently mean --trainer.max_epochs
+            kwargs.setdefault(
+                "parser_kwargs",
+                {"exit_on_error": False, "allow_abbrev": False, **{c: {"allow_abbrev": False} for c in LIGHTNING_COMMANDS}},
+            )
             # RNG states travel with every checkpoint, so resuming is exact (added to every run)
             kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint()]})
             super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            """Parse as LightningCLI does; a parse error becomes one line naming the key (and the closest valid one)."""
+            from jsonargparse import ArgumentError
+
+            try:
+                super().parse_arguments(parser, args)
+            except ArgumentError as exc:
+                argv = sys.argv[1:] if args is None else list(args)
+                sub = self._subcommand_parsers.get(argv[0]) if argv and isinstance(argv[0], str) else None
+                raise ConfigError(_one_line_error(exc, sub)) from exc
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.add_argument(
@@ -192,6 +284,7 @@ def _build_cli_class() -> type:
 
         def before_instantiate_classes(self) -> None:
             cfg = self.config[self.subcommand] if self.subcommand else self.config
+            check_input_files(cfg)  # before a run directory exists: a missing input leaves nothing behind
             experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
             run_dir = resolve_run_dir(cfg.run_root, experiment, cfg.run_id)
             os.environ[ENV_RUN_DIR] = str(run_dir.path)  # inherited by DDP worker processes
@@ -372,9 +465,8 @@ def methods_markdown() -> str:
     """The README's method table, generated from the registry."""
     from lowrank_lit import registry
 
-    registry.load_all()
     rows = ["| slug | kind | paper | configs |", "|---|---|---|---|"]
-    for m in registry.registered_methods():
+    for m in registry.scan_methods():
         configs = "<br>".join(f"`{c}`" for c in m.configs()) or "-"
         rows.append(f"| `{m.slug}` | {m.kind} | {m.paper} | {configs} |")
     return "\n".join(rows) + "\n"
@@ -392,8 +484,7 @@ def cmd_list(argv: Sequence[str]) -> int:
     if opts.markdown:
         print(methods_markdown(), end="")
         return 0
-    registry.load_all()
-    methods = registry.registered_methods()
+    methods = registry.scan_methods()  # from the source files: no torch, no Lightning
     if not methods:
         print("no methods registered")
         return 0
@@ -430,28 +521,69 @@ _EXPECTED_RE = re.compile(r"Expected an? <class '([^']+)'>")
 _GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
 
 
-def _one_line_error(exc: BaseException) -> str:
+_UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
+_IMPORT_FAIL_RE = re.compile(r"No module named|has no attribute|cannot import|Import path|not a (class|subclass)|does not exist")
+
+
+def _option_names(parser: Any) -> list[str]:
+    """Every ``--dotted.key`` a (sub)command parser accepts."""
+    return [s for action in getattr(parser, "_actions", []) for s in action.option_strings if s.startswith("--")]
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]}?" if match else ""
+
+
+def _init_arg_names(class_path: str) -> list[str]:
+    """Argument names of a class's ``__init__`` (empty when it cannot be imported)."""
+    try:
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
+    except Exception:  # noqa: BLE001 - only a hint
+        return []
+
+
+def _one_line_error(exc: BaseException, parser: Any = None) -> str:
     """Condense a nested jsonargparse error into one line naming the full config key.
 
     ``Parser key "model": ... class_path 'X': Option 'bogus' is not accepted`` becomes
-    ``unknown key 'model.init_args.bogus' (not an argument of X)``; a type error becomes
+    ``unknown key 'model.init_args.bogus' (not an argument of X)`` plus the closest argument of X;
+    ``unrecognized arguments: --trainer.max_epoch=3`` becomes ``unknown key 'trainer.max_epoch'; did you
+    mean --trainer.max_epochs?`` (candidates from ``parser``, the subcommand's parser); a class_path that
+    cannot be imported becomes ``cannot import 'x.y.Z': ...``; a type error becomes
     ``trainer.max_epochs: expected int, got 'abc'``. Anything else keeps its first line.
     """
     text = str(exc)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         return type(exc).__name__
+    if m := _UNRECOGNIZED_RE.search(lines[0]):
+        name = m.group(1).split("=", 1)[0]
+        hint = _did_you_mean(name, _option_names(parser)) if parser is not None else ""
+        return f"unknown key {name.lstrip('-')!r}" + (hint or "; `--help` lists the keys")
+    if lines[0].startswith('Parser key "config"') and len(lines) > 1:
+        return f"--config: {lines[1]}"
     key_parts: list[str] = []
     cls = None
-    for ln in lines:
+    for i, ln in enumerate(lines):
         if m := _KEY_RE.search(ln):
             key_parts.append(m.group(1))
         if m := _CLASS_RE.search(ln):
             cls = m.group(1)
+            detail = lines[i + 1] if i + 1 < len(lines) else ""
+            if _IMPORT_FAIL_RE.search(detail) and not _KEY_RE.search(detail):
+                where = ".init_args.".join(key_parts)
+                return f"cannot import {cls!r} ({where}.class_path): {detail}"
         if m := _OPTION_RE.search(ln):
             key = ".init_args.".join([*key_parts, m.group(1)])
             owner = f" (not an argument of {cls})" if cls else ""
-            return f"unknown key {key!r}{owner}"
+            names = _init_arg_names(cls) if cls else []
+            hint = _did_you_mean(m.group(1), names)
+            if hint:
+                hint = f"; did you mean --{key.rsplit('.', 1)[0]}.{hint.split('mean ', 1)[1]}"
+            return f"unknown key {key!r}{owner}{hint}"
     if key_parts and (m := _EXPECTED_RE.search(text)):
         got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
         got_text = f", got {got!r}" if got is not None else ""
@@ -472,6 +604,10 @@ def main(args: Sequence[str] | None = None) -> int:
             f"lowrank: error: unknown command {argv[0]!r}; choose from {', '.join((*LIGHTNING_COMMANDS, *COMMANDS))}",
             file=sys.stderr,
         )
+        return 2
+    missing = [c for c in config_files(argv[1:]) if not Path(c).is_file()]
+    if missing:  # answered before Lightning is imported
+        print(f"lowrank {argv[0]}: error: --config: file {missing[0]!r} does not exist", file=sys.stderr)
         return 2
     from jsonargparse import ArgumentError
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -497,6 +633,17 @@ def main(args: Sequence[str] | None = None) -> int:
     if run_dir is not None and _is_rank_zero():
         print(f"run {run_dir.experiment}/{run_dir.run_id} finished: {run_dir.path}", flush=True)
     return 0
+
+
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The values of ``--config``/``-c`` in a command line (both ``--config x`` and ``--config=x``)."""
+    files = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
 
 
 def resume_command(argv: Sequence[str], run_id: str) -> str:

@@ -5,12 +5,15 @@ Each paper's module registers its public component once::
     @register_method("q3r", kind="Callback", paper="Q3R: quadratic reweighted rank regularizer")
     class Q3R(Callback): ...
 
-The registry only records metadata; it never imports heavy libraries. ``lowrank list`` imports
-every module under :mod:`lowrank_lit.methods` (and the baseline) so that their decorators run.
+The registry only records metadata; it never imports heavy libraries. :func:`load_all` imports
+every module under :mod:`lowrank_lit.methods` (and the baseline) so that their decorators run;
+:func:`scan_methods` reads the same decorators from the source files without importing anything,
+which is what ``lowrank list`` uses (a test keeps the two equal).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import re
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["MethodInfo", "register_method", "registered_methods", "get_method", "load_all", "KINDS"]
+__all__ = ["MethodInfo", "register_method", "registered_methods", "get_method", "load_all", "scan_methods", "KINDS"]
 
 #: Kinds a registered component may have (what a user imports it as).
 KINDS = ("LightningModule", "Callback", "Optimizer", "Loss", "Module", "DataModule", "Analysis", "Sampler")
@@ -114,3 +117,63 @@ def get_method(slug: str) -> MethodInfo:
         return _REGISTRY[slug]
     except KeyError:
         raise KeyError(f"unknown method {slug!r}; registered: {', '.join(sorted(_REGISTRY)) or '(none)'}") from None
+
+
+def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[str, str, str] | None:
+    """``(slug, kind, paper)`` of a ``@register_method("slug", kind=..., paper=...)`` decorator, else None."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    if name != "register_method":
+        return None
+
+    def value(expr: ast.expr) -> str:
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            return expr.value
+        if isinstance(expr, ast.Name) and expr.id in constants:
+            return constants[expr.id]
+        raise ValueError(f"register_method arguments must be string literals or module constants, got {ast.dump(expr)}")
+
+    args = [value(a) for a in node.args]
+    kwargs = {k.arg: value(k.value) for k in node.keywords if k.arg}
+    fields = dict(zip(("slug", "kind", "paper"), args, strict=False)) | kwargs
+    return fields["slug"], fields["kind"], fields["paper"]
+
+
+def scan_methods(package_dir: Path | None = None) -> list[MethodInfo]:
+    """The registered methods, read from the ``@register_method`` decorators in the source files.
+
+    Imports nothing (no torch, no Lightning), so ``lowrank list`` answers at once. Decorator
+    arguments must be string literals or module-level string constants.
+    """
+    package_dir = package_dir or Path(__file__).resolve().parent
+    found: dict[str, MethodInfo] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        text = path.read_text()
+        if "@register_method(" not in text or path.name == "registry.py":
+            continue
+        tree = ast.parse(text, filename=str(path))
+        module = ".".join(("lowrank_lit", *path.relative_to(package_dir).with_suffix("").parts))
+        constants = {
+            t.id: n.value.value
+            for n in tree.body
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef):
+                continue
+            for dec in node.decorator_list:
+                reg = _decorator_registration(dec, constants)
+                if reg is None:
+                    continue
+                slug, kind, paper = reg
+                target = f"{module}.{node.name}"
+                old = found.get(slug)
+                if old is None:
+                    found[slug] = MethodInfo(slug, kind, paper, target)
+                elif old.target != target:
+                    found[slug] = MethodInfo(slug, kind, paper, old.target, (*old.components, target))
+    return [found[k] for k in sorted(found)]

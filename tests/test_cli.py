@@ -44,17 +44,26 @@ def test_list_shows_baseline_configs():
     assert "configs/baseline/mlp_digits.yaml" in out
 
 
-# `lowrank --help` imports nothing heavy; `lowrank list` imports Lightning (which itself imports
-# transformers' lazy top-level module) but none of the model libraries our methods use lazily.
+HEAVY = ("torch", "lightning", "timm", "transformers", "diffusers", "lowrank_lit.methods")
+
+
+# the commands a user types to look around answer without torch, Lightning or any method module
 @pytest.mark.parametrize(
     ("argv", "heavy"),
-    [(["--help"], ("lightning", "timm", "transformers", "diffusers")), (["list"], ("timm", "diffusers"))],
+    [
+        (["--help"], HEAVY),
+        (["list"], HEAVY),
+        (["list", "--markdown"], HEAVY),
+        (["fit", "--config", "missing.yaml"], HEAVY),
+        (["sweep", "sweeps/q3r.yaml", "--check"], HEAVY),
+        (["sweep", "sweeps/baseline_mlp_digits.yaml", "--check"], HEAVY),
+    ],
 )
 def test_light_commands_do_not_import_heavy_libraries(argv, heavy):
     code = (
         "import sys, contextlib, io\n"
         "from lowrank_lit.cli import main\n"
-        f"with contextlib.redirect_stdout(io.StringIO()): main({argv!r})\n"
+        f"with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()): main({argv!r})\n"
         f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -189,3 +198,64 @@ def test_console_script_error_exit_code():
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines[-1] == "lowrank fit: error: trainer.max_epochs: expected int, got 'abc'"
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- errors that help
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        # no prefix matching: an abbreviation is an unknown key with the full name suggested
+        (["--trainer.max_epoch=3"], "unknown key 'trainer.max_epoch'; did you mean --trainer.max_epochs?"),
+        (["--trainer.max_epochz=3"], "unknown key 'trainer.max_epochz'; did you mean --trainer.max_epochs?"),
+        (["--model.init_args.num_clases=3"], "did you mean --model.init_args.num_classes?"),
+        (["--model.init_args.backbone.init_args.hiden=[8]"], "did you mean --model.init_args.backbone.init_args.hidden?"),
+        (["--model.class_path=x.y.NoSuchModel"], "cannot import 'x.y.NoSuchModel' (model.class_path): No module named 'x'"),
+        (["--model.init_args.backbone.class_path=lowrank_lit.models.mlp.NoMLP"],
+         "cannot import 'lowrank_lit.models.mlp.NoMLP' (model.init_args.backbone.class_path)"),
+    ],
+)
+def test_errors_name_the_closest_valid_key(extra, expected, run_root, capsys):
+    assert run_cli("fit", "--config", MLP_CONFIG, *extra, run_root=run_root) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and expected in err[0], err
+    assert not run_root.exists() or not any(run_root.rglob("config.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("config", "first"),
+    [
+        ("configs/glvq/mlp_digits_2bit.yaml", "lowrank fit --config configs/glvq/mlp_digits_fp.yaml"),
+        ("configs/reservoir_tta/csc_digits.yaml", "lowrank fit --config configs/reservoir_tta/source_cnn_digits.yaml"),
+    ],
+)
+def test_config_needing_an_earlier_run_names_it(config, first, run_root, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no runs/ of an earlier run here
+    assert run_cli("test", "--config", ROOT / config, run_root=run_root) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "does not exist" in err[0] and err[0].endswith(f"make it first with: {first}"), err
+    assert not run_root.exists()  # no orphan run directory
+
+
+def test_known_harmless_messages_are_silenced(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    proc = _run(["fit", "--config", MLP_CONFIG, "--config", PRESETS / "wandb.yaml", *SHORT, "--run_root", tmp_path], env=env)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout + proc.stderr
+    for noise in ("Tip: For seamless", "LeafSpec", "weights_only", "anonymous setting", "exists and is not empty"):
+        assert noise not in text, noise
+    run = run_dirs(tmp_path)[0]
+    assert f"run baseline/mlp_digits/{run.name}: {run}" in proc.stdout  # where the run is, at the start
+    assert f"run baseline/mlp_digits/{run.name} finished: {run}" in proc.stdout  # and at the end
+    assert list((run / "wandb").glob("offline-run-*"))
+
+
+def test_log_lines_when_stdout_is_not_a_terminal(tmp_path):
+    """In a log file the Rich bar prints nothing until the end: plain lines per epoch instead."""
+    proc = _run(["fit", "--config", MLP_CONFIG, "--trainer.max_epochs=2", "--run_root", tmp_path])
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("epoch ")]
+    assert [ln.split()[1] for ln in lines] == ["1/2", "2/2"], proc.stdout
+    for key in ("step 20", "train/loss", "val/acc", "val/loss", "elapsed"):
+        assert key in lines[0]
+    assert "left ~" in lines[0]
+    assert "it/s" not in proc.stdout  # no Rich bar (its lines end in a rate)

@@ -114,7 +114,7 @@ class LogProgress(ProgressBar):
         self._start = self._last_line = time.monotonic()
         self._start_step = trainer.global_step
         self._start_epoch = trainer.current_epoch
-        what = f"{trainer.max_epochs} epochs" if trainer.max_epochs and trainer.max_epochs > 0 else f"{trainer.max_steps} steps"
+        what = f"{trainer.max_epochs} epoch" + ("s" if trainer.max_epochs != 1 else "") if trainer.max_epochs and trainer.max_epochs > 0 else f"{trainer.max_steps} steps"
         batches = self.total_train_batches
         per_epoch = f", {batches} batches per epoch" if isinstance(batches, int) else ""
         resumed = f" (resumed at epoch {trainer.current_epoch}, step {trainer.global_step})" if trainer.global_step else ""
@@ -146,5 +146,5 @@ class LogProgress(ProgressBar):
             self.print(f"validate: {format_metrics(trainer.callback_metrics, prefixes=('val/',))}")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.print(f"training done: {trainer.current_epoch} epochs, {trainer.global_step} steps in {_duration(time.monotonic() - self._start)}")
+        self.print(f"training done: epoch {trainer.current_epoch}, {trainer.global_step} steps in {_duration(time.monotonic() - self._start)}")
 

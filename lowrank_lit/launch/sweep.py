@@ -184,6 +184,72 @@ def overrides_to_args(overrides: dict[str, Any]) -> list[str]:
     return [f"--{k}={format_value(v)}" for k, v in overrides.items()]
 
 
+#: top-level keys of ``lowrank fit`` (tests/test_sweeps.py keeps this equal to the real parser's)
+TOP_LEVEL_KEYS = (
+    "seed_everything", "trainer", "model", "data", "ckpt_path", "experiment", "run_root", "run_id",
+    "test_after_fit", "checkpoint_every_n_steps",
+)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Compose config files as ``lowrank`` does: later files win, ``key+:`` appends to a list."""
+    out = dict(base)
+    for key, value in update.items():
+        if key.endswith("+"):
+            key = key[:-1]
+            old = out.get(key)
+            old = [] if old is None else old if isinstance(old, list) else [old]
+            out[key] = old + (value if isinstance(value, list) else [value])
+        elif isinstance(value, dict):
+            out[key] = _merge(out[key] if isinstance(out.get(key), dict) else {}, value)
+        else:
+            out[key] = value
+    return out
+
+
+def static_check(spec: SweepSpec) -> list[str]:
+    """Check the sweep against its config files without importing Lightning, torch or any method.
+
+    Every ``--config`` file of the command must exist; every swept key must start with a ``lowrank fit``
+    key and must not be a near-miss of a key the configs set. A key the configs do not set (an argument
+    left at its default) cannot be checked this way: it is returned as a note, and the real parser
+    checks it when the sweep starts (or with ``lowrank sweep --check --parse``).
+
+    Raises:
+        SweepError: a missing config file, an unknown top-level key, a near-miss of a configured key.
+    """
+    import difflib
+
+    files = [spec.fit_args[i + 1] for i, a in enumerate(spec.fit_args[:-1]) if a in ("--config", "-c")]
+    composed: dict[str, Any] = {}
+    for f in files:
+        if not Path(f).is_file():
+            raise _fail(spec.path, f"command: --config file {f!r} does not exist")
+        composed = _merge(composed, yaml.safe_load(Path(f).read_text()) or {})
+    notes = []
+    for key in spec.parameters:
+        parts = key.split(".")
+        if parts[0] not in TOP_LEVEL_KEYS:
+            close = difflib.get_close_matches(parts[0], TOP_LEVEL_KEYS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; allowed: {', '.join(TOP_LEVEL_KEYS)}"
+            raise _fail(spec.path, f"parameters.{key}: {parts[0]!r} is not a lowrank fit key{hint}")
+        node: Any = composed
+        for depth, part in enumerate(parts):
+            if isinstance(node, list):
+                node = node[-1] if node else None  # jsonargparse: a list's key means its last entry
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+                continue
+            known = [k for k in node if isinstance(k, str)] if isinstance(node, dict) else []
+            close = difflib.get_close_matches(part, known, n=1, cutoff=0.8)
+            where = ".".join(parts[:depth]) or "(top level)"
+            if close:
+                raise _fail(spec.path, f"parameters.{key}: {part!r} is not set under {where}; did you mean {close[0]!r}?")
+            notes.append(f"{key}: not set in {', '.join(files)} (a default); the parser checks it when the sweep starts")
+            break
+    return notes
+
+
 def check_keys(spec: SweepSpec) -> None:
     """Parse the command with every swept value (or both bounds) through the real CLI parser.
 
@@ -201,7 +267,7 @@ def check_keys(spec: SweepSpec) -> None:
             parser.parse_args(argv)
         except ArgumentError as exc:
             key = next(iter(override))
-            raise _fail(spec.path, f"parameters.{key}: {_one_line_error(exc)}") from None
+            raise _fail(spec.path, f"parameters.{key}: {_one_line_error(exc, parser)}") from None
 
 
 # --------------------------------------------------------------------------------------- optuna
@@ -436,17 +502,31 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None, help="sampler seed (default: SLURM_ARRAY_TASK_ID or 0)")
     parser.add_argument("--best-config", default=None, help="where to write the best config (default: <run-root>/sweeps/<study>/best.yaml)")
     parser.add_argument("--no-wandb", action="store_true", help="do not create a W&B run per trial")
-    parser.add_argument("--check", action="store_true", help="only validate the file and every swept key, run nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="only validate the file, its config files and every swept key against them, run nothing "
+                        "(fast: imports neither Lightning nor torch)")
+    parser.add_argument("--parse", action="store_true",
+                        help="with --check: also parse every swept value through the real `lowrank fit` parser "
+                        "(what every sweep does before its first trial)")
     opts, extra = parser.parse_known_args(argv)
     try:
         spec = load_sweep(opts.sweep_file)
-        check_keys(spec)
+        notes = static_check(spec)
+        if not opts.check or opts.parse:
+            check_keys(spec)
     except SweepError as exc:
         print(f"lowrank sweep: error: {exc}", file=sys.stderr)
         return 2
     if opts.check:
-        n = len(spec.grid_points()) if spec.method == "grid" else "unbounded"
-        print(f"{spec.path}: ok ({spec.method}, {len(spec.parameters)} parameters, grid size {n})")
+        if spec.method == "grid":
+            size = f"grid of {len(spec.grid_points())} points"
+        else:
+            cap = f"run_cap {spec.run_cap}" if spec.run_cap else "--n-trials (default 10)"
+            size = f"{spec.method} search: trials are drawn until {cap}"
+        parsed = "every swept value parsed by lowrank fit" if opts.parse else "keys checked against the config files"
+        print(f"{spec.path}: ok ({len(spec.parameters)} parameters, {size}; {parsed})")
+        for note in notes if not opts.parse else []:
+            print(f"  note: {note}")
         return 0
     seed = opts.seed if opts.seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
     study, _ = run_sweep(spec, n_trials=opts.n_trials, storage=opts.storage, study_name=opts.study_name,
