@@ -27,8 +27,11 @@ def test_quickstart_has_two_single_line_commands():
     main, test = _block_after("quickstart:main"), _block_after("quickstart:test")
     for cmd in (main, test):
         assert "\n" not in cmd and 'pip install -e ".[dev]"' in cmd
-    assert main.endswith("lowrank fit --config configs/baseline/vit_tiny_digits.yaml")
-    assert (ROOT / "configs/baseline/vit_tiny_digits.yaml").is_file()
+    # the first thing a newcomer runs: a method against its baseline, about a minute on 2 cores
+    runs = re.findall(r"lowrank fit --config (\S+)", main)
+    assert runs == ["configs/q3r/mlp_digits.yaml", "configs/q3r/mlp_digits_adamw.yaml"]
+    assert all((ROOT / r).is_file() for r in runs)
+    assert "lowrank fit --config configs/baseline/vit_tiny_digits.yaml" in README  # the next example
     assert "pytest" in test
 
 
@@ -38,3 +41,12 @@ def test_ci_runs_the_readme_test_command():
     assert awk, ".ci/run no longer extracts the README command"
     out = subprocess.run(["bash", "-c", awk.group(1)], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == _block_after("quickstart:test")
+
+
+def test_registry_scan_matches_the_imported_registry():
+    """`lowrank list` reads the decorators from the source files; they must say what importing registers."""
+    from lowrank_lit import registry
+
+    scanned = registry.scan_methods()
+    registry.load_all()
+    assert scanned == registry.registered_methods()

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from lowrank_lit.launch.sweep import SweepError, check_keys, load_sweep, run_sweep
+from lowrank_lit.launch.sweep import TOP_LEVEL_KEYS, SweepError, check_keys, load_sweep, run_sweep, static_check
 from tests.helpers import ROOT
 
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -78,7 +78,7 @@ def test_bad_sweep_files(tmp_path, params, method, needle):
 
 def test_cli_reports_bad_sweep_in_one_line(tmp_path):
     path = _sweep(tmp_path, "model.init_args.bogus:\n  values: [1]\n")
-    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "sweep", str(path), "--check"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "sweep", str(path), "--check", "--parse"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -132,3 +132,39 @@ def test_two_workers_split_a_grid(tmp_path):
     assert lrs == [0.001, 0.002, 0.003, 0.004]  # each grid point exactly once
     ran = [ln for out, _ in outs for ln in out.splitlines() if ln.startswith("trial ")]
     assert len(ran) == 4  # and no worker ran a point twice
+
+
+# ----------------------------------------------------------------------------------------- static check
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        ("trainr.max_epochs:\n  values: [1]\n", "'trainr' is not a lowrank fit key; did you mean trainer?"),
+        ("model.init_args.optimizer.init_args.lrr:\n  values: [0.1]\n", "did you mean 'lr'?"),
+        ("model.init_args.backbone.init_args.hiden:\n  values: [[8]]\n", "did you mean 'hidden'?"),
+    ],
+)
+def test_static_check_catches_typos_without_lightning(tmp_path, params, needle):
+    with pytest.raises(SweepError) as exc:
+        static_check(load_sweep(_sweep(tmp_path, params)))
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_static_check_notes_keys_left_at_defaults(tmp_path):
+    spec = load_sweep(_sweep(tmp_path, "trainer.gradient_clip_val:\n  values: [1.0]\ntrainer.max_epochs:\n  values: [2]\n"))
+    notes = static_check(spec)
+    assert len(notes) == 1 and notes[0].startswith("trainer.gradient_clip_val: not set in")
+
+
+def test_static_check_missing_config_file(tmp_path):
+    path = _sweep(tmp_path, "trainer.max_epochs:\n  values: [1]\n")
+    path.write_text(path.read_text().replace("configs/baseline/mlp_digits.yaml", "configs/baseline/nope.yaml"))
+    with pytest.raises(SweepError, match="nope.yaml' does not exist"):
+        static_check(load_sweep(path))
+
+
+def test_top_level_keys_match_the_real_parser():
+    from lowrank_lit.cli import build_parser
+
+    parser = build_parser("fit")
+    real = {a.dest.split(".")[0] for a in parser._actions if a.dest not in ("help", "config", "print_config")}
+    assert set(TOP_LEVEL_KEYS) == real - {"optimizer", "lr_scheduler"}

@@ -187,7 +187,7 @@ def overrides_to_args(overrides: dict[str, Any]) -> list[str]:
 #: top-level keys of ``lowrank fit`` (tests/test_sweeps.py keeps this equal to the real parser's)
 TOP_LEVEL_KEYS = (
     "seed_everything", "trainer", "model", "data", "ckpt_path", "experiment", "run_root", "run_id",
-    "test_after_fit", "checkpoint_every_n_steps",
+    "test_after_fit", "checkpoint_every_n_steps", "weights_only",
 )
 
 
@@ -342,7 +342,7 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
     if wandb:
         args += ["--config", str(_preset("wandb.yaml"))]
     args += [*extra_args, *overrides_to_args(params), "--run_root", str(run_root), "--run_id", run_id]
-    env = {**os.environ, "WANDB_RUN_GROUP": study_name, "TQDM_MINITERS": os.environ.get("TQDM_MINITERS", "50")}
+    env = {**os.environ, "WANDB_RUN_GROUP": study_name}
     env.pop("LOWRANK_RUN_DIR", None)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{run_id}.log"

@@ -14,6 +14,5 @@
 # into the run directory runs/<experiment>/<SLURM_JOB_ID>/; the requeued job resumes from it.
 set -euo pipefail
 cd {workdir}
-export TQDM_MINITERS=${{TQDM_MINITERS:-50}}   # progress bars print every 50 batches in batch logs
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1   # progress lines reach the log as they are printed (one per epoch: stdout is a file)
 {launch}
