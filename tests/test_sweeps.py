@@ -8,7 +8,14 @@ import sys
 import pytest
 import yaml
 
-from lowrank_lit.launch.sweep import TOP_LEVEL_KEYS, SweepError, check_keys, load_sweep, run_sweep, static_check
+from lowrank_lit.launch.sweep import (
+    TOP_LEVEL_KEYS,
+    SweepError,
+    check_keys,
+    load_sweep,
+    run_sweep,
+    static_check,
+)
 from tests.helpers import ROOT
 
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))

@@ -165,6 +165,8 @@ class ResumeCheckpoint(Checkpoint):
         # after Lightning's own handlers (registered when the run starts), which ours call in turn
         if trainer.fast_dev_run:
             return
+        if trainer.received_sigterm:  # arrived during set-up or the sanity check: stop after the first batch
+            self._received = "SIGTERM"
         for name in self.stop_signals:
             signum = getattr(signal, name, None)
             if signum is None:  # e.g. SIGUSR1 on Windows
