@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-__all__ = ["check_symmetric", "smallest_eigenpairs", "spectral_norm_sym"]
+__all__ = ["check_symmetric", "max_noise_std", "smallest_eigenpairs", "spd_tail", "spectral_norm_sym", "symmetric_noise"]
 
 
 def check_symmetric(A: torch.Tensor, name: str = "A", rtol: float = 1e-10) -> torch.Tensor:
@@ -61,3 +63,37 @@ def smallest_eigenpairs(A: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 def spectral_norm_sym(A: torch.Tensor) -> float:
     """Spectral norm of a symmetric matrix (largest ``|eigenvalue|``)."""
     return float(torch.linalg.eigvalsh(A.to(torch.float64)).abs().max())
+
+
+def spd_tail(eigvals: torch.Tensor, p: int) -> tuple[float, float, float]:
+    """``(l_n, l_{n-p+1}, l_{n-p})`` from any set of eigenvalues holding at least the p+1 smallest."""
+    w = torch.as_tensor(eigvals, dtype=torch.float64).flatten()
+    if not torch.isfinite(w).all():
+        raise ValueError("eigvals has NaN or Inf entries")
+    if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p < len(w):
+        raise ValueError(f"p={p!r}; allowed: an integer in [1, {len(w) - 1}] (the bounds need lambda_(n-p))")
+    w = torch.sort(w).values  # ascending
+    if float(w[0]) <= 0:
+        raise ValueError(
+            f"A must be positive definite for Theorem 2.1 (lambda_n = {float(w[0]):.3g}); for indefinite A "
+            "use the Theorem 4.1 setting (lowrank_inverse_error keeps the p smallest |lambda|)"
+        )
+    return float(w[0]), float(w[p - 1]), float(w[p])
+
+
+def max_noise_std(eigvals: torch.Tensor, p: int) -> float:
+    """Largest sigma of :func:`symmetric_noise` that keeps the gap condition: ``min(l_n, delta)/(8 sqrt(n))``.
+
+    ``n`` is ``len(eigvals)``, so pass all n eigenvalues.
+    """
+    w = torch.as_tensor(eigvals, dtype=torch.float64).flatten()
+    ln, lkept, lcut = spd_tail(w, p)
+    return min(ln, lcut - lkept) / (8.0 * math.sqrt(len(w)))
+
+
+def symmetric_noise(n: int, sigma: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``E = sigma (G + G^T) / sqrt(2)`` with standard Gaussian G (so ``||E|| ~ 2 sigma sqrt(n)``), float64."""
+    if not sigma >= 0:
+        raise ValueError(f"sigma={sigma!r}; allowed: a number >= 0")
+    G = torch.randn(n, n, dtype=torch.float64, generator=generator)
+    return sigma * (G + G.T) / math.sqrt(2.0)

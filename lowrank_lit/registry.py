@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,12 +97,9 @@ def project_root() -> Path:
 
 
 def load_all() -> None:
-    """Import every method module (and the baseline) so their registrations run."""
-    importlib.import_module("lowrank_lit.models.classifier")
-    import lowrank_lit.methods as methods_pkg
-
-    for mod in pkgutil.iter_modules(methods_pkg.__path__):
-        importlib.import_module(f"lowrank_lit.methods.{mod.name}")
+    """Import every module that registers a method (found by :func:`scan_methods`), so their decorators run."""
+    for module in sorted({info.target.rpartition(".")[0] for info in scan_methods()}):
+        importlib.import_module(module)
 
 
 def registered_methods() -> list[MethodInfo]:

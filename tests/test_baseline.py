@@ -8,7 +8,7 @@ from tests.helpers import CONFIGS
 
 
 def _fit_and_test(config, run_root):
-    from lowrank_lit.cli import LowrankCLI
+    from lowrank_lit.launch.lightning_cli import LowrankCLI
 
     cli = LowrankCLI(args=["fit", "--config", str(config), "--run_root", str(run_root),
                            "--trainer.enable_progress_bar=false"])

@@ -60,7 +60,7 @@ def test_callback_preset_composes(preset, run_root):
 
 def test_presets_append_instead_of_replacing(run_root):
     """Composing two presets keeps both callbacks (they use `callbacks+:`)."""
-    from lowrank_lit.cli import LowrankCLI
+    from lowrank_lit.launch.lightning_cli import LowrankCLI
 
     cli = LowrankCLI(
         args=["--config", str(MLP_CONFIG), "--config", str(PRESETS / "checkpoint.yaml"),

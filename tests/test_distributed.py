@@ -72,7 +72,7 @@ def test_submit_bad_time():
 def test_trainer_selects_slurm_environment(run_root, monkeypatch):
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    from lowrank_lit.cli import LowrankCLI
+    from lowrank_lit.launch.lightning_cli import LowrankCLI
 
     env = {"SLURM_JOB_ID": "9001", "SLURM_JOB_NAME": "train", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
            "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",

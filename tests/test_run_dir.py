@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowrank_lit.cli import experiment_from_configs, wandb_online_allowed
+from lowrank_lit.launch.checks import experiment_from_configs, wandb_online_allowed
 from lowrank_lit.launch.run_dir import resolve_run_dir, slurm_run_id
 
 

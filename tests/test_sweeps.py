@@ -170,7 +170,7 @@ def test_static_check_missing_config_file(tmp_path):
 
 
 def test_top_level_keys_match_the_real_parser():
-    from lowrank_lit.cli import build_parser
+    from lowrank_lit.launch.lightning_cli import build_parser
 
     parser = build_parser("fit")
     real = {a.dest.split(".")[0] for a in parser._actions if a.dest not in ("help", "config", "print_config")}

@@ -13,6 +13,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from lowrank_lit.linalg import max_noise_std, symmetric_noise
+
 __all__ = ["MatrixDataModule", "REAL_MATRICES", "SYNTHETIC_SPECTRA", "build_matrix", "tail_rule_p"]
 
 D = torch.float64
@@ -148,8 +150,6 @@ class MatrixDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.cases:
             return
-        from lowrank_lit.methods.pinv_bounds import max_noise_std, symmetric_noise
-
         named = [(m, build_matrix(m, self.n_synthetic, self.seed)) for m in self.matrices]
         named += [(Path(f).stem, _load_file(f)) for f in self.matrix_files]
         g = torch.Generator().manual_seed(self.seed)

@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
         print("lowrank submit: error: pass either --config FILE (a run) or --sweep FILE --array K (sweep workers)",
               file=sys.stderr)
         return 2
-    from lowrank_lit.cli import experiment_from_configs
+    from lowrank_lit.launch.checks import experiment_from_configs
 
     if opts.sweep:
         name = opts.study_name or Path(opts.sweep).stem

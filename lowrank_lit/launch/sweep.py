@@ -258,7 +258,8 @@ def check_keys(spec: SweepSpec) -> None:
     """
     from jsonargparse import ArgumentError
 
-    from lowrank_lit.cli import _one_line_error, build_parser
+    from lowrank_lit.launch.checks import one_line_error
+    from lowrank_lit.launch.lightning_cli import build_parser
 
     parser = build_parser(spec.fit_args[0])
     for override in spec.corner_overrides():
@@ -267,7 +268,7 @@ def check_keys(spec: SweepSpec) -> None:
             parser.parse_args(argv)
         except ArgumentError as exc:
             key = next(iter(override))
-            raise _fail(spec.path, f"parameters.{key}: {_one_line_error(exc, parser)}") from None
+            raise _fail(spec.path, f"parameters.{key}: {one_line_error(exc, parser)}") from None
 
 
 # --------------------------------------------------------------------------------------- optuna
@@ -456,7 +457,7 @@ def _trial_line(res: TrialResult, metric: str) -> str:
 
 def best_config(spec: SweepSpec, study: Any, out_path: Path) -> Path:
     """Write the best trial as a config: the sweep's base config(s) with the best overrides applied."""
-    from lowrank_lit.cli import build_parser
+    from lowrank_lit.launch.lightning_cli import build_parser
 
     best = study.best_trial
     params = {k: trial_value(spec, k, v) for k, v in best.params.items()}

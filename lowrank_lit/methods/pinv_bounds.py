@@ -28,7 +28,7 @@ import math
 import lightning.pytorch as pl
 import torch
 
-from lowrank_lit.linalg import check_symmetric, spectral_norm_sym
+from lowrank_lit.linalg import check_symmetric, max_noise_std, spd_tail, spectral_norm_sym, symmetric_noise
 from lowrank_lit.registry import register_method
 
 __all__ = [
@@ -84,27 +84,11 @@ def lowrank_inverse_error(A: torch.Tensor, E: torch.Tensor, p: int) -> float:
     return spectral_norm_sym(best_rank_p_inverse(A + E, p) - best_rank_p_inverse(A, p))
 
 
-def _spd_tail(eigvals: torch.Tensor, p: int) -> tuple[float, float, float]:
-    """``(l_n, l_{n-p+1}, l_{n-p})`` from any set of eigenvalues holding at least the p+1 smallest."""
-    w = torch.as_tensor(eigvals, dtype=torch.float64).flatten()
-    if not torch.isfinite(w).all():
-        raise ValueError("eigvals has NaN or Inf entries")
-    if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p < len(w):
-        raise ValueError(f"p={p!r}; allowed: an integer in [1, {len(w) - 1}] (the bounds need lambda_(n-p))")
-    w = torch.sort(w).values  # ascending
-    if float(w[0]) <= 0:
-        raise ValueError(
-            f"A must be positive definite for Theorem 2.1 (lambda_n = {float(w[0]):.3g}); for indefinite A "
-            "use the Theorem 4.1 setting (lowrank_inverse_error keeps the p smallest |lambda|)"
-        )
-    return float(w[0]), float(w[p - 1]), float(w[p])
-
-
 def gap_condition_holds(eigvals: torch.Tensor, E_norm: float, p: int) -> bool:
     """``4 ||E|| <= min(lambda_n, delta_{n-p})``."""
     if not E_norm >= 0:
         raise ValueError(f"E_norm={E_norm!r}; allowed: a number >= 0")
-    ln, lkept, lcut = _spd_tail(eigvals, p)
+    ln, lkept, lcut = spd_tail(eigvals, p)
     return 4.0 * E_norm <= min(ln, lcut - lkept)
 
 
@@ -120,7 +104,7 @@ def contour_bound(eigvals: torch.Tensor, E_norm: float, p: int) -> float:
         ValueError: the gap condition fails (the bound does not apply), delta_{n-p} = 0 (rank-p
             inverse not unique), A not positive definite, or bad p / E_norm.
     """
-    ln, lkept, lcut = _spd_tail(eigvals, p)
+    ln, lkept, lcut = spd_tail(eigvals, p)
     delta = lcut - lkept
     if delta <= 0:
         raise ValueError(f"rank-p inverse not unique: delta_(n-p) = 0 at p={p}")
@@ -139,28 +123,10 @@ def eym_neumann_bound(eigvals: torch.Tensor, E_norm: float, p: int) -> float:
     """
     if not E_norm >= 0:
         raise ValueError(f"E_norm={E_norm!r}; allowed: a number >= 0")
-    ln, _, lcut = _spd_tail(eigvals, p)
+    ln, _, lcut = spd_tail(eigvals, p)
     if E_norm >= ln:
         return math.inf
     return E_norm / (ln * (ln - E_norm)) + 1.0 / (lcut - E_norm) + 1.0 / lcut
-
-
-def max_noise_std(eigvals: torch.Tensor, p: int) -> float:
-    """Largest sigma of :func:`symmetric_noise` that keeps the gap condition: ``min(l_n, delta)/(8 sqrt(n))``.
-
-    ``n`` is ``len(eigvals)``, so pass all n eigenvalues.
-    """
-    w = torch.as_tensor(eigvals, dtype=torch.float64).flatten()
-    ln, lkept, lcut = _spd_tail(w, p)
-    return min(ln, lcut - lkept) / (8.0 * math.sqrt(len(w)))
-
-
-def symmetric_noise(n: int, sigma: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``E = sigma (G + G^T) / sqrt(2)`` with standard Gaussian G (so ``||E|| ~ 2 sigma sqrt(n)``), float64."""
-    if not sigma >= 0:
-        raise ValueError(f"sigma={sigma!r}; allowed: a number >= 0")
-    G = torch.randn(n, n, dtype=torch.float64, generator=generator)
-    return sigma * (G + G.T) / math.sqrt(2.0)
 
 
 # --------------------------------------------------------------------------------------- study driver

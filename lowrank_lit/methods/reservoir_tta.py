@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.tta.methods import TTAMethod, entropy
+from lowrank_lit.tta.base import TTAMethod, TTAWrapper, entropy
 
 __all__ = ["StyleExtractor", "ReservoirTTA"]
 
@@ -119,7 +119,7 @@ class StyleExtractor(nn.Module):
 
 
 @register_method("reservoir_tta", kind="Module", paper=PAPER)
-class ReservoirTTA(TTAMethod):
+class ReservoirTTA(TTAWrapper):
     """A reservoir of copies of ``method``'s adapted state, one per discovered domain (see module docstring).
 
     Args:
@@ -154,7 +154,7 @@ class ReservoirTTA(TTAMethod):
         fmt: str = "logvar",
         seed: int = 0,
     ) -> None:
-        super().__init__(method.lr, method.betas)
+        super().__init__(method)  # the wrapped method's network, parameters and optimizer are ours
         where = "ReservoirTTA"
         if not 0.0 < quantile < 1.0:
             raise ValueError(f"{where}: quantile={quantile!r}; allowed: (0, 1)")
@@ -172,7 +172,7 @@ class ReservoirTTA(TTAMethod):
             raise ValueError(f"{where}: fmt={fmt!r}; allowed: {', '.join(FORMATS)}")
         if n_source_styles < 2:
             raise ValueError(f"{where}: n_source_styles={n_source_styles!r}; allowed: an integer >= 2")
-        self.method, self.style_layers = method, list(style_layers)
+        self.style_layers = list(style_layers)
         self.max_models, self.buffer_size, self.quantile = max_models, buffer_size, quantile
         self.ensembling, self.sampling, self.init, self.progressive_update = ensembling, sampling, init, progressive_update
         self.centroid_lr, self.n_source_styles, self.fmt = centroid_lr, n_source_styles, fmt
@@ -186,7 +186,6 @@ class ReservoirTTA(TTAMethod):
         self.extractor = StyleExtractor(copy.deepcopy(model), self.style_layers, self.fmt)
         batches = iter(source_batches)
         self.method.setup(model, batches)
-        self.model, self.params, self.optimizer = model, self.method.params, self.method.optimizer
         styles, sizes = [], []
         for _ in range(self.n_source_styles):
             x = next(batches)[0]

@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lowrank_lit.tta.methods import TTAMethod
+from lowrank_lit.tta.base import SourceData, TTAMethod
 
 __all__ = ["TTAModule", "load_backbone", "purity"]
 
@@ -83,8 +83,8 @@ class TTAModule(pl.LightningModule):
         if self.source_ckpt is not None:
             load_backbone(self.model, self.source_ckpt)
         batches = None
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if self.use_source_batches and dm is not None and hasattr(dm, "source_dataloader"):
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if self.use_source_batches and isinstance(dm, SourceData):
             gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
             batches = _cycle(lambda: dm.source_dataloader(generator=gen))
         self.method.setup(self.model, batches)
@@ -104,7 +104,7 @@ class TTAModule(pl.LightningModule):
         logits = self.method.forward_and_adapt(x)
         err = float((logits.argmax(dim=1) != y).float().mean())
         row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "error": err}
-        cluster = getattr(self.method, "last_cluster", None)
+        cluster = self.method.last_cluster
         if cluster is not None:
             row["cluster"] = cluster
         self.rows.append(row)
@@ -122,8 +122,7 @@ class TTAModule(pl.LightningModule):
         if "cluster" in self.rows[0]:
             clusters = [r["cluster"] for r in self.rows]
             self.log("test/clusters", float(len(set(clusters))))  # clusters that received batches
-            if hasattr(self.method, "num_models"):
-                self.log("test/models", float(self.method.num_models))  # reservoir size, source copy included
+            self.log("test/models", float(self.method.num_models))  # reservoir size, source copy included
             self.log("test/purity", purity(clusters, [r["domain"] for r in self.rows]))
         self.per_recurrence = per_rec
         if self.trainer.is_global_zero and self.trainer.loggers and os.path.isdir(self.trainer.default_root_dir):

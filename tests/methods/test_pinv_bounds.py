@@ -188,7 +188,7 @@ def test_matrix_datamodule_bad_inputs(tmp_path):
 def test_must_show_real_matrices(tmp_path):
     """Issue criterion: no violation; error and contour slopes 1 +/- 0.1; at the smallest noise level
     EYM-N over-predicts >= 10x more than the contour bound on every matrix where the gap holds."""
-    from lowrank_lit.cli import LowrankCLI
+    from lowrank_lit.launch.lightning_cli import LowrankCLI
     from tests.helpers import CONFIGS
 
     cli = LowrankCLI(args=["test", "--config", str(CONFIGS / "pinv_bounds" / "real_matrices.yaml"),

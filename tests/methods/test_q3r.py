@@ -278,7 +278,7 @@ def test_bad_targets_and_weights():
 
 
 def _truncation_results(config, seed, run_root):
-    from lowrank_lit.cli import LowrankCLI
+    from lowrank_lit.launch.lightning_cli import LowrankCLI
     from lowrank_lit.methods.q3r import TruncationEval
 
     cli = LowrankCLI(args=["fit", "--config", str(config), f"--seed_everything={seed}", "--run_root", str(run_root),

@@ -14,7 +14,7 @@ from lowrank_lit.data.corruptions import CORRUPTIONS, corrupt, corruption_stream
 from lowrank_lit.methods.reservoir_tta import ReservoirTTA, StyleExtractor
 from lowrank_lit.models.cnn import GroupNormCNN
 from lowrank_lit.tta import EATA, CoTTA, SourceOnly, Tent, entropy, purity
-from lowrank_lit.tta.methods import norm_affine_params as norm_params
+from lowrank_lit.tta.base import norm_affine_params as norm_params
 
 LAYERS = ["blocks.0.0", "blocks.1.0"]
 

@@ -1,9 +1,19 @@
-"""Single-model test-time adaptation methods: SourceOnly, Tent, EATA, CoTTA.
+"""The test-time adaptation contract and the single-model methods: SourceOnly, Tent, EATA, CoTTA.
 
-Each method owns one model and its optimizer and exposes the pieces a plug-in such as ReservoirTTA
-needs: ``forward_and_adapt(x)`` (predict, then one adaptation step: what a plain run calls),
+The contract (what :class:`~lowrank_lit.tta.TTAModule` calls, written down once in :class:`TTAMethod`):
+
+* ``setup(model, source_batches)`` once, before the stream: take the source-trained model;
+  ``source_batches`` is an endless iterator of clean ``(x, y)`` batches when the datamodule is a
+  :class:`SourceData` (it has ``source_dataloader``), else None.
+* ``forward_and_adapt(x) -> logits`` for every test batch, in stream order: predict, then adapt.
+* ``last_cluster`` (``int | None``): the cluster the last batch was routed to; None for methods that
+  do not route. ``num_models``: adapted copies held (1 for a single-model method).
+
+Each single-model method owns one model and its optimizer and exposes the pieces a plug-in needs:
 ``predict(x)`` and ``adapt(x)`` separately, and ``get_state()``/``set_state()`` (adapted parameters,
-optimizer state and the method's own buffers) so that several copies can share one network.
+optimizer state and the method's own buffers) so that several copies can share one network. A
+plug-in that wraps another method (ReservoirTTA) subclasses :class:`TTAWrapper`, whose ``model``,
+``params`` and ``optimizer`` are the wrapped method's.
 
 * Tent (Wang et al., ICLR 2021): adapt the affine parameters of the norm layers by minimising the
   mean prediction entropy; BatchNorm uses the test batch's statistics.
@@ -24,13 +34,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TTAMethod", "SourceOnly", "Tent", "EATA", "CoTTA", "norm_affine_params", "entropy"]
+__all__ = ["TTAMethod", "TTAWrapper", "SourceData", "SourceOnly", "Tent", "EATA", "CoTTA", "norm_affine_params", "entropy"]
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
@@ -53,15 +63,31 @@ def _has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+@runtime_checkable
+class SourceData(Protocol):
+    """A datamodule that can give clean source batches (EATA's Fisher, ReservoirTTA's source styles)."""
+
+    def source_dataloader(self, batch_size: int | None = None, generator: torch.Generator | None = None) -> Iterable[Any]:
+        ...
+
+
 class TTAMethod:
-    """Base class: adapt ``self.params`` of ``self.model`` with Adam, one step per test batch.
+    """Base class and contract (see the module docstring): adapt ``self.params`` of ``self.model`` with
+    Adam, one step per test batch.
 
     Args:
-        lr: Adam learning rate. Default: 1e-3 (card).
+        lr: Adam learning rate. Default: 1e-3.
         betas: Adam's coefficients. Default: (0.9, 0.999).
     """
 
     adapts = True
+    #: the cluster the last batch was routed to (routing plug-ins set it); None: no routing
+    last_cluster: int | None = None
+
+    @property
+    def num_models(self) -> int:
+        """Adapted copies this method holds (1 for a single-model method)."""
+        return 1
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999)) -> None:
         if lr < 0:
@@ -157,6 +183,44 @@ class TTAMethod:
         if self.optimizer is not None and state["optim"] is not None:
             self.optimizer.load_state_dict(copy.deepcopy(state["optim"]) if copy_state else state["optim"])
         self.load_extra_state(copy.deepcopy(state["extra"]) if copy_state else state["extra"])
+
+
+class TTAWrapper(TTAMethod):
+    """A plug-in around another method: the network, adapted parameters and optimizer are the wrapped method's.
+
+    Subclasses call ``self.method.setup(...)`` in their ``setup`` and route, copy or average through
+    :meth:`TTAMethod.get_state` / :meth:`TTAMethod.set_state`, which act on the wrapped method's state.
+
+    Args:
+        method: the wrapped single-model method (its ``lr`` and ``betas`` are this plug-in's).
+    """
+
+    def __init__(self, method: TTAMethod) -> None:
+        if not isinstance(method, TTAMethod):
+            raise ValueError(f"{type(self).__name__}: method={method!r}; allowed: a TTAMethod (Tent, EATA, CoTTA, SourceOnly)")
+        self.method = method
+        self.lr, self.betas = method.lr, method.betas
+
+    @property
+    def model(self) -> nn.Module | None:  # type: ignore[override]
+        return self.method.model
+
+    @property
+    def params(self) -> list[nn.Parameter]:  # type: ignore[override]
+        return self.method.params
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:  # type: ignore[override]
+        return self.method.optimizer
+
+    def loss(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        return self.method.loss(logits, x)
+
+    def extra_state(self) -> dict[str, Any]:
+        return self.method.extra_state()
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.method.load_extra_state(state)
 
 
 class SourceOnly(TTAMethod):

@@ -1,0 +1,281 @@
+"""What the command line checks and says, without importing Lightning or torch.
+
+The pieces of ``lowrank``'s user interface that must answer fast or be shared by the launchers:
+whether W&B may go online, the experiment name of a config, one-line parse errors with the closest
+valid key, checks of the input files a run starts from, the resume command of an interrupted run,
+and the list of known-harmless messages that every run is spared.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import logging
+import netrc
+import os
+import re
+import shlex
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+__all__ = [
+    "ConfigError", "KNOWN_NOISE", "check_input_files", "config_files", "experiment_from_configs", "first_line",
+    "interrupted_message", "is_rank_zero", "one_line_error", "prerequisite_command", "quiet_known_noise",
+    "resume_command", "stdout_is_terminal", "wandb_online_allowed",
+]
+
+
+# --------------------------------------------------------------------------- W&B helpers
+def wandb_online_allowed(environ: dict[str, str] | None = None) -> bool:
+    """Whether W&B may go online: ``WANDB_MODE=online``, or an API key with no offline mode set.
+
+    The key is looked up in ``WANDB_API_KEY`` and in ``~/.netrc`` (what ``wandb login`` writes) for
+    the host of ``WANDB_BASE_URL`` (default ``api.wandb.ai``). Nothing here touches the network.
+    """
+    env = os.environ if environ is None else environ
+    mode = env.get("WANDB_MODE", "").strip().lower()
+    if mode == "online":
+        return True
+    if mode in ("offline", "dryrun", "disabled"):
+        return False
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    netrc_path = env.get("NETRC") or os.path.join(env.get("HOME", os.path.expanduser("~")), ".netrc")
+    try:
+        return netrc.netrc(netrc_path).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def experiment_from_configs(config_paths: Sequence[Any] | None) -> str:
+    """Experiment name from the ``--config`` files: ``configs/baseline/mlp_digits.yaml`` -> ``baseline/mlp_digits``.
+
+    The first file under a ``configs/`` folder that is not a ``base/`` or ``debug/`` fragment wins;
+    otherwise the stem of the first file; with no file at all, ``default``.
+    """
+    paths = [Path(str(getattr(p, "relative", p))) for p in (config_paths or [])]
+    for p in paths:
+        parts = p.with_suffix("").parts
+        if "configs" in parts:
+            rel = parts[len(parts) - 1 - parts[::-1].index("configs") + 1 :]
+            if rel and rel[0] not in ("base", "debug"):
+                return "/".join(rel)
+    return paths[0].stem if paths else "default"
+
+
+# --------------------------------------------------------------------------- run checks
+def is_rank_zero() -> bool:
+    return all(int(os.environ.get(k, "0") or 0) == 0 for k in ("LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def stdout_is_terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class ConfigError(Exception):
+    """A config value was accepted by the parser but rejected by the class it configures."""
+
+
+#: ckpt_path values Lightning resolves itself (not file names)
+_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+_INPUT_KEY_RE = re.compile(r"(^|\.)(ckpt_path|[a-z_]*_ckpt|init_from)$")
+_FIRST_RE = re.compile(r"^#\s*First:\s*(lowrank\s+\S+\s+--config\s+\S+)")
+
+
+def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
+    """The ``# First: lowrank fit --config ...`` line of the first ``--config`` file that has one."""
+    for p in config_paths or []:
+        path = Path(str(getattr(p, "relative", p)))
+        try:
+            header = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in header:
+            if not line.startswith("#"):
+                break
+            if m := _FIRST_RE.match(line):
+                return m.group(1)
+    return None
+
+
+def check_input_files(cfg: Any) -> None:
+    """Checkpoints a run starts from (``ckpt_path``, ``*_ckpt``, ``init_from``) must exist before anything runs.
+
+    Raises:
+        ConfigError: naming the key, the missing file and, when a config says so in a ``# First:`` line,
+            the command that makes it.
+    """
+    missing = []
+    for key, value in cfg.items():
+        if not isinstance(value, str) or not _INPUT_KEY_RE.search(key) or "://" in value:
+            continue
+        if key == "ckpt_path" and value in _CKPT_KEYWORDS:
+            continue
+        if not Path(value).exists():
+            missing.append((key, value))
+    if missing:
+        key, value = missing[0]
+        first = prerequisite_command(cfg.get("config"))
+        hint = f"; make it first with: {first}" if first else "; train that model first or fix the path"
+        raise ConfigError(f"{key}={value!r} does not exist{hint}")
+
+
+def first_line(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
+#: messages every run printed that say nothing about the run (matched at the start of the text)
+KNOWN_NOISE = (
+    "💡 Tip: For seamless",  # Lightning's advertisement for litlogger / litmodels
+    "`weights_only` was not set",  # Lightning, at every checkpoint save; lowrank checkpoints hold full state
+    r".*isinstance\(treespec, LeafSpec\)",  # Lightning's use of a deprecated torch pytree API
+    # the run directory already holds config.yaml (and wandb/); metrics.csv of an earlier attempt is kept as
+    # metrics.<n>.csv by the run directory before the CSV logger starts, so nothing is deleted
+    "Experiment logs directory .* exists and is not empty",
+)
+
+
+class _DropKnownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(re.match(pattern, text) for pattern in KNOWN_NOISE)
+
+
+def quiet_known_noise() -> None:
+    """Silence the messages in :data:`KNOWN_NOISE` (warnings and Lightning's log lines); idempotent."""
+    for pattern in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _DropKnownNoise) for f in handler.filters):
+                handler.addFilter(_DropKnownNoise())
+
+
+# --------------------------------------------------------------------------- errors
+_KEY_RE = re.compile(r'Parser key "([^"]+)"')
+_CLASS_RE = re.compile(r"Problem with given class_path '([^']+)'")
+_OPTION_RE = re.compile(r"Option '([^']+)' is not accepted")
+_EXPECTED_RE = re.compile(r"Expected an? <class '([^']+)'>")
+_GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
+
+
+_UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
+_IMPORT_FAIL_RE = re.compile(r"No module named|has no attribute|cannot import|Import path|not a (class|subclass)|does not exist")
+
+
+def _option_names(parser: Any) -> list[str]:
+    """Every ``--dotted.key`` a (sub)command parser accepts."""
+    return [s for action in getattr(parser, "_actions", []) for s in action.option_strings if s.startswith("--")]
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]}?" if match else ""
+
+
+def _init_arg_names(class_path: str) -> list[str]:
+    """Argument names of a class's ``__init__`` (empty when it cannot be imported)."""
+    try:
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
+    except Exception:  # noqa: BLE001 - only a hint
+        return []
+
+
+def one_line_error(exc: BaseException, parser: Any = None) -> str:
+    """Condense a nested jsonargparse error into one line naming the full config key.
+
+    ``Parser key "model": ... class_path 'X': Option 'bogus' is not accepted`` becomes
+    ``unknown key 'model.init_args.bogus' (not an argument of X)`` plus the closest argument of X;
+    ``unrecognized arguments: --trainer.max_epoch=3`` becomes ``unknown key 'trainer.max_epoch'; did you
+    mean --trainer.max_epochs?`` (candidates from ``parser``, the subcommand's parser); a class_path that
+    cannot be imported becomes ``cannot import 'x.y.Z': ...``; a type error becomes
+    ``trainer.max_epochs: expected int, got 'abc'``. Anything else keeps its first line.
+    """
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    if m := _UNRECOGNIZED_RE.search(lines[0]):
+        name = m.group(1).split("=", 1)[0]
+        hint = _did_you_mean(name, _option_names(parser)) if parser is not None else ""
+        return f"unknown key {name.lstrip('-')!r}" + (hint or "; `--help` lists the keys")
+    if lines[0].startswith('Parser key "config"') and len(lines) > 1:
+        return f"--config: {lines[1]}"
+    key_parts: list[str] = []
+    cls = None
+    for i, ln in enumerate(lines):
+        if m := _KEY_RE.search(ln):
+            key_parts.append(m.group(1))
+        if m := _CLASS_RE.search(ln):
+            cls = m.group(1)
+            detail = lines[i + 1] if i + 1 < len(lines) else ""
+            if _IMPORT_FAIL_RE.search(detail) and not _KEY_RE.search(detail):
+                where = ".init_args.".join(key_parts)
+                return f"cannot import {cls!r} ({where}.class_path): {detail}"
+        if m := _OPTION_RE.search(ln):
+            key = ".init_args.".join([*key_parts, m.group(1)])
+            owner = f" (not an argument of {cls})" if cls else ""
+            names = _init_arg_names(cls) if cls else []
+            hint = _did_you_mean(m.group(1), names)
+            if hint:
+                hint = f"; did you mean --{key.rsplit('.', 1)[0]}.{hint.split('mean ', 1)[1]}"
+            return f"unknown key {key!r}{owner}{hint}"
+    if key_parts and (m := _EXPECTED_RE.search(text)):
+        got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
+        got_text = f", got {got!r}" if got is not None else ""
+        return f"{'.init_args.'.join(key_parts)}: expected {m.group(1)}{got_text}"
+    return lines[0]
+
+
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The values of ``--config``/``-c`` in a command line (both ``--config x`` and ``--config=x``)."""
+    files = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            files.append(arg.split("=", 1)[1])
+    return files
+
+
+def resume_command(argv: Sequence[str], run_id: str) -> str:
+    """The command that resumes a run: ``argv`` without ``--run_id``/``--ckpt_path``, plus both for this run."""
+    keep: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        if arg in ("--run_id", "--ckpt_path"):
+            skip_next = True
+            continue
+        if arg.startswith(("--run_id=", "--ckpt_path=")):
+            continue
+        keep.append(arg)
+    return shlex.join(["lowrank", *keep, "--run_id", run_id, "--ckpt_path", "last"])
+
+
+def interrupted_message(argv: Sequence[str], run_dir: Any, exc: BaseException) -> str:
+    """What an interrupted run prints: where it stopped, what was saved, and the exact resume command."""
+    what = str(exc) if str(exc) and not str(exc).isdigit() else "interrupted"
+    if run_dir is None:
+        return f"lowrank {argv[0]}: {what}"
+    ckpt = run_dir.path / "checkpoints" / "last.ckpt"
+    lines = [f"lowrank {argv[0]}: {what}; run directory {run_dir.path}"]
+    if ckpt.is_file():
+        lines.append(f"  checkpoint: {ckpt}")
+        lines.append(f"  resume with: {resume_command(argv, run_dir.run_id)}")
+    else:
+        lines.append("  no checkpoint was written (interrupted before the first training batch ended)")
+    return "\n".join(lines)

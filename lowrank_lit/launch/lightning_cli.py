@@ -1,0 +1,287 @@
+"""``LowrankCLI``: Lightning's ``LightningCLI`` with run directories, resumable runs and helpful errors.
+
+Importing this module imports Lightning; the ``lowrank`` entry point (:mod:`lowrank_lit.cli`) does
+so only for the Lightning subcommands. :func:`build_parser` gives the real parser of a subcommand
+without parsing or running anything (the sweep runner checks swept values with it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from lowrank_lit.callbacks.config import RunConfigCallback
+from lowrank_lit.callbacks.resume import ResumeCheckpoint
+from lowrank_lit.callbacks.rng import RNGStateCheckpoint
+from lowrank_lit.launch.checks import (
+    ConfigError,
+    check_input_files,
+    experiment_from_configs,
+    first_line,
+    is_rank_zero,
+    one_line_error,
+    quiet_known_noise,
+    stdout_is_terminal,
+    wandb_online_allowed,
+)
+from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir, slurm_run_id
+
+__all__ = ["LowrankCLI", "build_parser", "LIGHTNING_COMMANDS"]
+
+#: the subcommands LightningCLI provides
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+quiet_known_noise()
+
+
+def _import(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class LowrankCLI(LightningCLI):
+    """LightningCLI with run directories, CSV + optional W&B logging and config logging.
+
+    Model and data are given by ``class_path`` (subclass mode). The module owns its optimizer
+    (``auto_configure_optimizers=False``): pass it as ``model.init_args.optimizer``.
+    After parsing, the run directory ``<run_root>/<experiment>/<run_id>`` is created and
+    ``trainer.default_root_dir``, the CSV logger and any W&B logger are pointed at it.
+    """
+
+    run_dir: RunDir | None = None
+    #: the run directory of the most recent run in this process (for the closing message)
+    last_run_dir: RunDir | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("save_config_callback", RunConfigCallback)
+        # a directory is only re-entered by the same SLURM job or an explicit --run_id
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # no prefix matching: --trainer.max_epoch must not silently mean --trainer.max_epochs
+        kwargs.setdefault(
+            "parser_kwargs",
+            {"exit_on_error": False, "allow_abbrev": False, **{c: {"allow_abbrev": False} for c in LIGHTNING_COMMANDS}},
+        )
+        # RNG states travel with every checkpoint, so resuming is exact (added to every run)
+        kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint()]})
+        super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse as LightningCLI does; a parse error becomes one line naming the key (and the closest valid one)."""
+        from jsonargparse import ArgumentError
+
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as exc:
+            argv = sys.argv[1:] if args is None else list(args)
+            sub = self._subcommand_parsers.get(argv[0]) if argv and isinstance(argv[0], str) else None
+            raise ConfigError(one_line_error(exc, sub)) from exc
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--experiment",
+            type=str | None,
+            default=None,
+            help="Experiment name, the folder under run_root (default: derived from the first --config, "
+            "configs/baseline/mlp_digits.yaml -> baseline/mlp_digits).",
+        )
+        parser.add_argument("--run_root", type=str, default="runs", help="Folder holding all run directories.")
+        parser.add_argument(
+            "--run_id",
+            type=str | None,
+            default=None,
+            help="Re-enter this run directory (resume). Default: the SLURM job id, else a new unique id.",
+        )
+        parser.add_argument(
+            "--checkpoint_every_n_steps",
+            type=int,
+            default=0,
+            help="Also write checkpoints/last.ckpt every this many optimizer steps (it is always written at every "
+            "epoch end and when the run is interrupted by SIGINT, SIGTERM or SIGUSR1). 0: epoch ends only.",
+        )
+        parser.add_argument(
+            "--test_after_fit",
+            type=bool,
+            default=False,
+            help="After `fit`, run the test loop on the final weights (metrics land in the same run).",
+        )
+
+    def after_fit(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if cfg.get("test_after_fit") and not self.trainer.interrupted:
+            self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        check_input_files(cfg)  # before a run directory exists: a missing input leaves nothing behind
+        experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
+        run_dir = resolve_run_dir(cfg.run_root, experiment, cfg.run_id)
+        os.environ[ENV_RUN_DIR] = str(run_dir.path)  # inherited by DDP worker processes
+        self.run_dir = run_dir
+        cfg.experiment = experiment
+        cfg.trainer.default_root_dir = str(run_dir.path)
+        type(self).last_run_dir = run_dir
+        try:
+            cfg.trainer.logger = self._loggers(cfg.trainer.get("logger"), run_dir)
+            cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg, self.subcommand)
+            if self.subcommand == "fit":
+                self._resume_point(cfg, run_dir)
+        except BaseException:
+            self._remove_if_new(run_dir)
+            raise
+        if is_rank_zero():
+            print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else ""),
+                  flush=True)
+
+    @staticmethod
+    def _remove_if_new(run_dir: RunDir) -> None:
+        """Remove a run directory this run created when nothing was written into it."""
+        if not run_dir.resumed and run_dir.path.is_dir() and not any(run_dir.path.iterdir()):
+            run_dir.path.rmdir()
+
+    @staticmethod
+    def _resume_point(cfg: Namespace, run_dir: RunDir) -> None:
+        """Re-entering a run directory never restarts training over its checkpoints, and never silently.
+
+        ``--ckpt_path last`` resolves to the run's ``checkpoints/last.ckpt`` (an error naming the run
+        directory when there is none). A requeued SLURM job resumes from Lightning's
+        ``hpc_ckpt_*.ckpt`` (ckpt_path stays None) or, when there is none, from ``checkpoints/last.ckpt``.
+        Re-entering with ``--run_id`` needs an explicit ``--ckpt_path`` once the run has checkpoints.
+        """
+        ckpts = run_dir.path / "checkpoints"
+        last = ckpts / "last.ckpt"
+        if cfg.get("ckpt_path") == "last":
+            if not run_dir.resumed:
+                raise ConfigError(
+                    f"--ckpt_path last: {run_dir.path} is a new run directory with nothing to resume; "
+                    "pass --run_id <id> of the run to continue (its directory is printed when it starts)"
+                )
+            if not last.is_file():
+                raise ConfigError(
+                    f"--ckpt_path last: no checkpoint to resume in {run_dir.path} (no checkpoints/last.ckpt); "
+                    "drop --ckpt_path to start this run over, or pick another --run_id"
+                )
+            cfg.ckpt_path = str(last)
+            return
+        if cfg.get("ckpt_path") is not None or not run_dir.resumed:
+            return
+        has_ckpts = ckpts.is_dir() and any(ckpts.glob("*.ckpt"))
+        if slurm_run_id() == run_dir.run_id and not cfg.get("run_id"):
+            if not any(run_dir.path.glob("hpc_ckpt_*.ckpt")) and last.is_file():
+                cfg.ckpt_path = str(last)
+            return
+        if has_ckpts:
+            raise ConfigError(
+                f"run directory {run_dir.path} already has checkpoints; pass --ckpt_path last to resume it "
+                "or drop --run_id to start a new run"
+            )
+
+    @staticmethod
+    def _callbacks(value: Any, cfg: Namespace, subcommand: str | None) -> list:
+        """Add what every run needs: ``checkpoints/last.ckpt`` kept current (fit) and log-friendly progress.
+
+        * :class:`~lowrank_lit.callbacks.ResumeCheckpoint` writes ``last.ckpt`` at every epoch end, every
+          ``--checkpoint_every_n_steps`` steps and on interruption; a configured ``ModelCheckpoint``
+          keeps its best/top-k files but leaves ``last.ckpt`` to it (one writer, so resuming is exact).
+        * With stdout not a terminal and no progress bar configured, :class:`~lowrank_lit.callbacks.LogProgress`
+          prints plain lines instead of the Rich bar (which shows nothing in a log file).
+        """
+        trainer_cfg = cfg.trainer
+        entries = [] if value is None else list(value) if isinstance(value, list) else [value]
+        classes = [_import(e.class_path) for e in entries]
+        checkpointing = trainer_cfg.get("enable_checkpointing") is not False
+        if subcommand == "fit" and checkpointing and not any(issubclass(c, ResumeCheckpoint) for c in classes):
+            for entry, cls in zip(entries, classes, strict=True):
+                args = entry.get("init_args") or Namespace()
+                if issubclass(cls, ModelCheckpoint) and args.get("save_last") and args.get("dirpath") is None:
+                    args.save_last = False  # last.ckpt has one writer: ResumeCheckpoint
+                    entry.init_args = args
+            every = cfg.get("checkpoint_every_n_steps") or 0
+            entries.append(
+                Namespace(
+                    class_path="lowrank_lit.callbacks.ResumeCheckpoint",
+                    init_args=Namespace(every_n_train_steps=int(every)),
+                )
+            )
+        wants_bar = trainer_cfg.get("enable_progress_bar") is not False
+        if wants_bar and not any(issubclass(c, ProgressBar) for c in classes) and not stdout_is_terminal():
+            entries.append(Namespace(class_path="lowrank_lit.callbacks.LogProgress", init_args=Namespace()))
+        return entries
+
+    def instantiate_classes(self) -> None:
+        """Build model, data and trainer; a bad argument becomes a one-line :class:`ConfigError`.
+
+        A run directory created for this run is removed again when nothing could be built.
+        """
+        try:
+            super().instantiate_classes()
+        except Exception as exc:
+            if self.run_dir is not None:
+                self._remove_if_new(self.run_dir)
+            root = exc
+            while root.__cause__ is not None:
+                root = root.__cause__
+            if isinstance(root, (ValueError, TypeError, ImportError, AttributeError)):
+                raise ConfigError(f"{type(root).__name__}: {first_line(root)}") from exc
+            raise
+
+    def _loggers(self, value: Any, run_dir: RunDir) -> Any:
+        if value is False:  # logging explicitly switched off
+            return False
+        entries = [] if value in (None, True) else list(value) if isinstance(value, list) else [value]
+        csv = [e for e in entries if issubclass(_import(e.class_path), CSVLogger)]
+        if not csv:
+            csv = [Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace())]
+        others = [e for e in entries if e not in csv]
+        # CSV first: trainer.log_dir (config.yaml) and checkpoints/ then live in the run directory itself
+        csv[0].init_args.update(Namespace(save_dir=str(run_dir.path), name="", version=""))
+        for entry in others:
+            if issubclass(_import(entry.class_path), WandbLogger):
+                self._configure_wandb(entry.init_args, run_dir)
+        return [csv[0], *others]
+
+    @staticmethod
+    def _configure_wandb(args: Namespace, run_dir: RunDir) -> None:
+        args.save_dir = str(run_dir.path)
+        if os.environ.get("WANDB_MODE", "").lower() != "disabled":
+            args.offline = bool(args.get("offline")) or not wandb_online_allowed()
+        args.id = args.get("id") or run_dir.wandb_id
+        args.name = args.get("name") or f"{run_dir.experiment}/{run_dir.run_id}"
+        args.group = args.get("group") or os.environ.get("WANDB_RUN_GROUP") or run_dir.experiment
+        args.resume = args.get("resume") or "allow"  # a requeued SLURM job continues the same W&B run
+        if args.get("project") in (None, "lightning_logs"):
+            args.project = "lowrank_lit"
+
+
+class _ParserOnlyCLI(LowrankCLI):
+    """LowrankCLI that builds its parsers and stops: nothing is parsed, seeded, instantiated or run."""
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        self.config = Namespace(subcommand=None, seed_everything=False)
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def build_parser(subcommand: str = "fit") -> Any:
+    """The real ``lowrank <subcommand>`` argument parser, without parsing or instantiating anything.
+
+    ``build_parser("fit").parse_args(["--config", "x.yaml", "--model.init_args.lr=0.1"])`` checks a
+    command line exactly as ``lowrank fit`` would (raising ``jsonargparse.ArgumentError``).
+    """
+    if subcommand not in LIGHTNING_COMMANDS:
+        raise ValueError(f"build_parser: subcommand={subcommand!r}; allowed: {', '.join(LIGHTNING_COMMANDS)}")
+    return _ParserOnlyCLI(args=[subcommand])._parser(subcommand)

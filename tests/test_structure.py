@@ -1,0 +1,94 @@
+"""The package's imports point one way: the CLI on top, launchers below, methods below them, shared code at the bottom.
+
+Every ``import lowrank_lit...`` in every module (function-level imports included) is an arrow; the
+graph must have no cycle, shared modules (nn, models, data, linalg, tta, optim, callbacks, report,
+registry, loggers) must not import a method, and nothing but the entry point imports the CLI.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "lowrank_lit"
+SHARED = ("nn", "models", "data", "linalg", "tta", "optim", "callbacks", "report", "registry", "loggers", "envs")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """``module -> {lowrank_lit modules it imports}``, resolved to modules that exist (not to names)."""
+    modules = {_module_name(p): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for t in targets:
+                if t.startswith("lowrank_lit"):
+                    while t not in modules and "." in t:  # `from x import name`: the module is x
+                        t = t.rsplit(".", 1)[0]
+                    if t in modules and t != name:
+                        deps.add(t)
+                        break
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def _is_package_init(name: str) -> bool:
+    return (ROOT / Path(*name.split(".")) / "__init__.py").is_file()
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    # a package __init__ that re-exports its own submodules is not a cycle with them
+    pruned = {m: {d for d in deps if not (_is_package_init(m) and d.startswith(m + "."))} for m, deps in graph.items()}
+    assert find_cycle(pruned) is None, " -> ".join(find_cycle(pruned) or [])
+
+
+def test_shared_modules_do_not_import_methods():
+    bad = [(m, d) for m, deps in import_graph().items() for d in deps
+           if m.split(".")[1] in SHARED and d.startswith("lowrank_lit.methods")]
+    assert bad == []
+
+
+def test_only_the_entry_point_imports_the_cli():
+    users = sorted(m for m, deps in import_graph().items() if "lowrank_lit.cli" in deps)
+    assert users == ["lowrank_lit.__main__"]
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
