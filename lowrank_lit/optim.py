@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -10,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
+
+from lowrank_lit.nn.targets import match_names
 
 __all__ = ["WarmupCosineLR", "matrix_param_groups", "SeededOptimizer"]
 
@@ -76,7 +77,7 @@ def matrix_param_groups(module: nn.Module, dense: tuple[str, ...] | list[str] = 
     """Split trainable parameters into the weight matrices a memory-lean optimizer compresses and the rest.
 
     Returns up to two param groups: the 2-D weights whose names match none of the ``dense`` patterns
-    (fnmatch, e.g. ``"*embed*"``, ``"head_tgt.*"``), tagged ``nano=True, lowrank=True``; and every other
+    (fnmatch, case-sensitive, as :func:`lowrank_lit.nn.targets.match_names`; e.g. ``"*embed*"``, ``"head_tgt.*"``), tagged ``nano=True, lowrank=True``; and every other
     trainable parameter (biases, norms, embeddings, heads), tagged ``nano=False, lowrank=False``.
     NanoAdam and LowRankAdam read these flags; torch optimizers ignore them. Empty groups are dropped.
     """
@@ -84,7 +85,7 @@ def matrix_param_groups(module: nn.Module, dense: tuple[str, ...] | list[str] = 
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        is_dense = p.ndim != 2 or any(fnmatch.fnmatch(name, pat) for pat in dense)
+        is_dense = p.ndim != 2 or bool(match_names([name], dense))
         (rest if is_dense else matrices).append(p)
     groups = [{"params": matrices, "nano": True, "lowrank": True}, {"params": rest, "nano": False, "lowrank": False}]
     return [g for g in groups if g["params"]]

@@ -35,7 +35,6 @@ lattice (``G = s I``). Inferred choices (the paper leaves them open) are marked 
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
 
 __all__ = [
@@ -560,9 +560,7 @@ class GLVQ(pl.Callback):
         self.report: list[dict[str, Any]] = []
 
     def _layers(self, module: nn.Module) -> list[tuple[str, nn.Module]]:
-        found = [(n, m) for n, m in module.named_modules() if any(fnmatch.fnmatch(n, p) for p in self.targets)]
-        if not found:
-            raise ValueError(f"GLVQ: targets {self.targets} match no module")
+        found = [(m.name, m.module) for m in match_modules(module, self.targets, owner="GLVQ: targets")]
         for n, m in found:
             if isinstance(m, GLVQLinear):
                 raise ValueError(f"GLVQ: {n!r} is already quantized")
@@ -589,8 +587,7 @@ class GLVQ(pl.Callback):
             X = torch.cat(inputs[name])
             q, rep = quantize_linear(lin, X, self.bits, self.group_size, self.dim, self.method, self.compand, self.sdba, self.steps,
                                      self.init)
-            parent = pl_module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else pl_module
-            setattr(parent, name.rsplit(".", 1)[-1], q.to(pl_module.device))
+            replace_module(pl_module, name, q.to(pl_module.device))
             self.report.append({"layer": name, **rep})
         for logger in trainer.loggers:
             logger.log_metrics({f"glvq/{r['layer']}/{k}": r[k] for r in self.report for k in ("rel_error", "bits_per_weight")}, step=0)

@@ -37,9 +37,8 @@ schedule does not shift it). ``target_rank`` follows the official code: a float 
 
 from __future__ import annotations
 
-import fnmatch
+import dataclasses
 import math
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +48,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lowrank_lit.nn.lowrank_linear import svd_factorize
+from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "Q3RRegularizer",
     "Q3R",
     "AdamQ3R",
+    "Q3RHparams",
     "resolve_targets",
     "truncation_rank",
     "truncate",
@@ -66,7 +67,6 @@ __all__ = [
 PAPER = "Q3R: Quadratic Reweighted Rank Regularizer for Effective Low-Rank Training"
 EPS_SCHEDULES = ("default", "linear", "constant", "exploration")
 EPS_INIT = 1e8  # official initial epsilon: the first refresh sets eps = sigma_{r+1}
-_FUSED_RE = re.compile(r"^(?P<pattern>.+)\[(?P<n>\d+)\]$")
 
 
 # --------------------------------------------------------------------------------------- targets
@@ -97,42 +97,31 @@ class Q3RTarget:
 
 
 def resolve_targets(model: nn.Module, patterns: Sequence[str]) -> list[Q3RTarget]:
-    """Targets from module-name patterns (``fnmatch``); ``"blocks.*.attn.qkv[3]"`` splits the rows in 3.
+    """Targets from module-name patterns (:func:`lowrank_lit.nn.targets.match_modules`); ``"blocks.*.attn.qkv[3]"``
+    splits the rows in 3.
 
     Raises:
         ValueError: a pattern matches nothing, a match is not 2-D, the rows do not split evenly,
             or two patterns select overlapping rows.
     """
-    if isinstance(patterns, str) or not patterns:
-        raise ValueError(f"Q3R: targets={patterns!r}; allowed: a non-empty list of module-name patterns")
-    modules = dict(model.named_modules())
     out: list[Q3RTarget] = []
     seen: dict[str, list[slice]] = {}
-    for pat in patterns:
-        m = _FUSED_RE.match(pat)
-        base, n = (m.group("pattern"), int(m.group("n"))) if m else (pat, 1)
-        if n < 1:
-            raise ValueError(f"Q3R: target {pat!r}: the number of row slices must be >= 1")
-        names = [name for name in modules if name and fnmatch.fnmatchcase(name, base)]
-        if not names:
-            raise ValueError(f"Q3R: target pattern {pat!r} matches no module; e.g. {', '.join(list(modules)[1:6])}")
-        for name in names:
-            mod = modules[name]
-            weight = getattr(mod, "weight", None)
-            if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-                raise ValueError(f"Q3R: target {name!r} has no 2-D weight (got {type(mod).__name__})")
-            d1 = weight.shape[0]
-            if d1 % n:
-                raise ValueError(f"Q3R: target {name!r}: {d1} rows do not split into {n} equal slices")
-            step = d1 // n
-            for k in range(n):
-                rows = slice(k * step, (k + 1) * step)
-                for other in seen.get(name, []):
-                    if rows.start < other.stop and other.start < rows.stop:
-                        raise ValueError(f"Q3R: target {name!r}: row slices {other} and {rows} overlap")
-                seen.setdefault(name, []).append(rows)
-                label = name if n == 1 else f"{name}[{k}]"
-                out.append(Q3RTarget(label, mod, rows))  # type: ignore[arg-type]
+    for match in match_modules(model, patterns, owner="Q3R: targets"):
+        name, mod = match.name, match.module
+        weight = getattr(mod, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            raise ValueError(f"Q3R: target {name!r} has no 2-D weight (got {type(mod).__name__})")
+        try:
+            row_slices = match.rows(weight.shape[0])
+        except ValueError as err:
+            raise ValueError(f"Q3R: target {err}") from None
+        for k, rows in enumerate(row_slices):
+            for other in seen.get(name, []):
+                if rows.start < other.stop and other.start < rows.stop:
+                    raise ValueError(f"Q3R: target {name!r}: row slices {other} and {rows} overlap")
+            seen.setdefault(name, []).append(rows)
+            label = name if match.slices == 1 else f"{name}[{k}]"
+            out.append(Q3RTarget(label, mod, rows))  # type: ignore[arg-type]
     return out
 
 
@@ -153,13 +142,41 @@ def _resolve_rank(target_rank: float, d1: int, d2: int, name: str) -> int:
 
 
 # --------------------------------------------------------------------------------------- regularizer
-def _check_hparams(lam: float, period: int, eps_schedule: str) -> None:
-    if isinstance(lam, bool) or not isinstance(lam, int | float) or lam < 0 or not math.isfinite(lam):
-        raise ValueError(f"Q3R: lam={lam!r}; allowed: a finite float >= 0")
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-        raise ValueError(f"Q3R: period={period!r}; allowed: an integer >= 1")
-    if eps_schedule not in EPS_SCHEDULES:
-        raise ValueError(f"Q3R: eps_schedule={eps_schedule!r}; allowed: {', '.join(EPS_SCHEDULES)}")
+@dataclass(frozen=True)
+class Q3RHparams:
+    """Q3R's hyperparameters, validated once here for the callback and the regularizer alike.
+
+    Attributes:
+        target_rank: float in (0, 1) (fraction of max(d1, d2)) or int >= 1 (see the module docstring).
+        lam: penalty weight lambda >= 0.
+        period: optimizer steps between refreshes T >= 1.
+        eps_schedule: one of :data:`EPS_SCHEDULES`.
+        eps_decay_steps: length of the ``linear`` schedule, >= 1.
+        eps_min: end point of the ``linear`` schedule, > 0.
+    """
+
+    target_rank: float = 0.1
+    lam: float = 0.1
+    period: int = 5
+    eps_schedule: str = "default"
+    eps_decay_steps: int = 10000
+    eps_min: float = 1e-5
+
+    def __post_init__(self) -> None:
+        tr = self.target_rank
+        if isinstance(tr, bool) or not isinstance(tr, int | float) or not tr > 0:
+            raise ValueError(f"Q3R: target_rank={tr!r}; allowed: a float in (0, 1) or an int >= 1")
+        lam = self.lam
+        if isinstance(lam, bool) or not isinstance(lam, int | float) or lam < 0 or not math.isfinite(lam):
+            raise ValueError(f"Q3R: lam={lam!r}; allowed: a finite float >= 0")
+        if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
+            raise ValueError(f"Q3R: period={self.period!r}; allowed: an integer >= 1")
+        if self.eps_schedule not in EPS_SCHEDULES:
+            raise ValueError(f"Q3R: eps_schedule={self.eps_schedule!r}; allowed: {', '.join(EPS_SCHEDULES)}")
+        if isinstance(self.eps_decay_steps, bool) or not isinstance(self.eps_decay_steps, int) or self.eps_decay_steps < 1:
+            raise ValueError(f"Q3R: eps_decay_steps={self.eps_decay_steps!r}; allowed: an integer >= 1")
+        if isinstance(self.eps_min, bool) or not isinstance(self.eps_min, int | float) or not self.eps_min > 0:
+            raise ValueError(f"Q3R: eps_min={self.eps_min!r}; allowed: a float > 0")
 
 
 class Q3RRegularizer:
@@ -190,18 +207,16 @@ class Q3RRegularizer:
         eps_decay_steps: int = 10000,
         eps_min: float = 1e-5,
     ) -> None:
-        _check_hparams(lam, period, eps_schedule)
-        if eps_decay_steps < 1 or not eps_min > 0:
-            raise ValueError(f"Q3R: eps_decay_steps={eps_decay_steps}, eps_min={eps_min}; allowed: >= 1 and > 0")
+        self.hparams = hp = Q3RHparams(target_rank, lam, period, eps_schedule, eps_decay_steps, eps_min)
         self.targets = targets
-        self.lam = float(lam)
-        self.period = period
-        self.eps_schedule = eps_schedule
-        self.eps_decay_steps = eps_decay_steps
-        self.eps_min = eps_min
+        self.lam = float(hp.lam)
+        self.period = hp.period
+        self.eps_schedule = hp.eps_schedule
+        self.eps_decay_steps = hp.eps_decay_steps
+        self.eps_min = hp.eps_min
         self.steps = 0  # optimizer steps taken (the schedule clock)
         for t in targets:
-            t.rank = _resolve_rank(target_rank, *t.shape, t.name)
+            t.rank = _resolve_rank(hp.target_rank, *t.shape, t.name)
 
     # ------------------------------------------------------------------ operator
     def refresh(self) -> None:
@@ -357,6 +372,7 @@ class Q3R(Callback):
         period: optimizer steps between refreshes T. Default: 5.
         eps_schedule: ``default``, ``linear``, ``constant`` or ``exploration``. Default: ``default``.
         eps_decay_steps: length of the ``linear`` schedule. Default: 10000.
+        eps_min: end point of the ``linear`` schedule. Default: 1e-5.
         log_stats: log the per-target statistics at each refresh. Default: True.
     """
 
@@ -368,16 +384,21 @@ class Q3R(Callback):
         period: int = 5,
         eps_schedule: str = "default",
         eps_decay_steps: int = 10000,
+        eps_min: float = 1e-5,
         log_stats: bool = True,
     ) -> None:
         super().__init__()
-        _check_hparams(lam, period, eps_schedule)  # fail at config time, before any training
+        if isinstance(targets, str) or not targets:
+            raise ValueError(f"Q3R: targets={targets!r}; allowed: a non-empty list of module-name patterns")
+        # fail at config time, before any training
+        self.hparams = Q3RHparams(target_rank, lam, period, eps_schedule, eps_decay_steps, eps_min)
         self.patterns = list(targets)
         self.target_rank = target_rank
         self.lam = lam
         self.period = period
         self.eps_schedule = eps_schedule
         self.eps_decay_steps = eps_decay_steps
+        self.eps_min = eps_min
         self.log_stats = log_stats
         self.regularizer: Q3RRegularizer | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -387,10 +408,7 @@ class Q3R(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.regularizer is not None:
             return
-        self.regularizer = Q3RRegularizer(
-            resolve_targets(pl_module, self.patterns), self.target_rank, self.lam, self.period,
-            self.eps_schedule, self.eps_decay_steps,
-        )
+        self.regularizer = Q3RRegularizer(resolve_targets(pl_module, self.patterns), **dataclasses.asdict(self.hparams))
         if self._pending_state is not None:
             self.regularizer.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -457,9 +475,7 @@ def truncate(model: nn.Module, keep_fraction: float, targets: Sequence[str]) -> 
             raise ValueError(f"truncate: target {name!r} is a {type(module).__name__}, not nn.Linear")
         slices = [p.rows for p in parts]
         ranks = [truncation_rank(*p.shape, keep_fraction) for p in parts]
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, svd_factorize(module, slices, ranks))
+        replace_module(model, name, svd_factorize(module, slices, ranks))
     return model
 
 

@@ -343,3 +343,27 @@ def test_callback_state_survives_checkpoint_resume(tmp_path):
     assert state["steps"] == 4 and state["targets"]["backbone.net.0"]["eps"] == cb.regularizer.targets[0].eps
     _, resumed = fit(2, ckpt)
     assert resumed.regularizer.steps == 8  # continued from 4, not restarted
+
+
+def test_hparams_are_one_validated_object_shared_with_the_regularizer():
+    from lowrank_lit.methods.q3r import Q3RHparams
+
+    cb = Q3R(targets=["0"], target_rank=2, eps_schedule="linear", eps_decay_steps=7, eps_min=1e-3)
+    cb.setup(None, nn.Sequential(nn.Linear(8, 8)), "fit")  # type: ignore[arg-type]
+    assert cb.regularizer.hparams == cb.hparams == Q3RHparams(2, 0.1, 5, "linear", 7, 1e-3)
+    assert cb.regularizer.eps_min == 1e-3
+    for kwargs, needle in [({"eps_min": 0.0}, "eps_min=0.0"), ({"eps_decay_steps": 0}, "eps_decay_steps=0"),
+                           ({"target_rank": -1}, "target_rank=-1"), ({"period": 0}, "period=0")]:
+        with pytest.raises(ValueError, match=needle):
+            Q3R(targets=["0"], **kwargs)
+        with pytest.raises(ValueError, match=needle):
+            Q3RHparams(**kwargs)
+
+
+def test_eps_min_is_settable_from_yaml():
+    from lowrank_lit.launch.lightning_cli import build_parser
+    from tests.helpers import CONFIGS
+
+    cfg = build_parser("fit").parse_args(["--config", str(CONFIGS / "q3r" / "mlp_digits.yaml"),
+                                          "--trainer.callbacks.init_args.eps_min=0.001"])
+    assert cfg.trainer.callbacks[-1].init_args.eps_min == 0.001
