@@ -10,6 +10,9 @@ Training subcommands are Lightning's own (:class:`~lowrank_lit.launch.lightning_
 and a few of ours, which do not import Lightning until they need it::
 
     lowrank list                       registered methods, their kind, paper and configs
+    lowrank sweep SWEEP.yaml           a W&B sweep file, offline with optuna
+    lowrank submit --config C.yaml     an sbatch script
+    lowrank summarize SLUG RUN_ROOT    a method's result table from its runs
 
 Every run writes to ``<run_root>/<experiment>/<run_id>/`` (see :mod:`lowrank_lit.launch.run_dir`):
 the resolved ``config.yaml``, CSV metrics, checkpoints and, with ``callbacks/wandb.yaml``, the
@@ -31,7 +34,7 @@ from lowrank_lit.launch.checks import (
     one_line_error,
 )
 
-__all__ = ["main", "methods_markdown", "COMMANDS", "LIGHTNING_COMMANDS"]
+__all__ = ["main", "methods_markdown", "method_pages_markdown", "COMMANDS", "LIGHTNING_COMMANDS"]
 
 #: the subcommands LightningCLI provides (:data:`lowrank_lit.launch.lightning_cli.LIGHTNING_COMMANDS`)
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
@@ -49,6 +52,7 @@ lowrank_lit commands:
   list       show the registered methods, their kind, paper and configs (--markdown: README table)
   sweep      run a W&B sweep file offline with optuna: lowrank sweep sweeps/<slug>.yaml [--n-trials N]
   submit     write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4
+  summarize  a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]
 
 Compose configs with repeated --config (later files win), e.g. a preset from callbacks/:
   lowrank fit --config configs/baseline/mlp_digits.yaml --config callbacks/wandb.yaml
@@ -69,6 +73,21 @@ def methods_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
+def method_pages_markdown() -> str:
+    """The README's list of method pages, from the registry: one line per method with a ``docs/`` page."""
+    from lowrank_lit import registry
+
+    root = registry.project_root()
+    lines = []
+    for m in registry.scan_methods():
+        page = next((p for p in (root / "docs" / "methods" / f"{m.slug}.md", root / "docs" / f"{m.slug}.md") if p.is_file()), None)
+        if page is None:
+            continue
+        title = next((ln[2:].strip() for ln in page.read_text().splitlines() if ln.startswith("# ")), m.slug)
+        lines.append(f"- [{title}]({page.relative_to(root).as_posix()}) (`{m.slug}`)")
+    return "\n".join(lines) + "\n"
+
+
 def cmd_list(argv: Sequence[str]) -> int:
     """``lowrank list [--markdown]``: one row per registered method."""
     import argparse
@@ -77,7 +96,11 @@ def cmd_list(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="lowrank list", description="List the registered methods.")
     parser.add_argument("--markdown", action="store_true", help="print the README's markdown table")
+    parser.add_argument("--pages", action="store_true", help="print the README's list of method pages")
     opts = parser.parse_args(list(argv))
+    if opts.pages:
+        print(method_pages_markdown(), end="")
+        return 0
     if opts.markdown:
         print(methods_markdown(), end="")
         return 0
@@ -107,7 +130,16 @@ def cmd_submit(argv: Sequence[str]) -> int:
     return submit_main(list(argv))
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit}
+def cmd_summarize(argv: Sequence[str]) -> int:
+    """``lowrank summarize <slug> <run-root>... [--out FILE]``: a method's result table from its runs."""
+    from lowrank_lit.report import summarize_main
+
+    return summarize_main(list(argv))
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize,
+}
 
 
 

@@ -1,15 +1,27 @@
-"""A run's results: writing tables and plots (run directory, and W&B when configured), and reading runs back."""
+"""A run's results: writing tables and plots (run directory, and W&B when configured), and reading runs back.
+
+Method summaries: each method registers one function that turns its runs into a markdown table (and
+optionally a figure) with :func:`register_summary`; ``lowrank summarize <slug> <run-root>... [--out FILE]``
+finds it through the registry and runs it. The pieces they share live here: :func:`markdown_table`,
+:func:`class_label` (a run label from a config entry), :func:`new_figure` / :func:`save_figure`.
+"""
 
 from __future__ import annotations
 
 import csv
 import glob
 import os
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs"]
+__all__ = [
+    "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs",
+    "markdown_table", "class_label", "new_figure", "save_figure",
+    "Summary", "register_summary", "get_summary", "summarize_main",
+]
 
 
 def save_rows(trainer: Any, rows: Sequence[dict[str, Any]], filename: str) -> str:
@@ -60,6 +72,136 @@ def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
         return yaml.safe_load(f)
 
 
-def find_runs(roots: Iterable[str], marker: str) -> list[str]:
-    """Run directories (sorted) at any depth below ``roots`` that hold a file named ``marker``."""
-    return sorted(os.path.dirname(p) for r in roots for p in glob.glob(os.path.join(r, "**", marker), recursive=True))
+def find_runs(roots: Iterable[str], marker: str, required: bool = False) -> list[str]:
+    """Run directories (sorted) at any depth below ``roots`` that hold a file named ``marker``.
+
+    Raises:
+        FileNotFoundError: ``required`` and there is none (the message names the roots and the marker).
+    """
+    roots = list(roots)
+    found = sorted(os.path.dirname(p) for r in roots for p in glob.glob(os.path.join(r, "**", marker), recursive=True))
+    if required and not found:
+        raise FileNotFoundError(f"no run directory holding {marker} under {', '.join(roots)}")
+    return found
+
+
+
+# --------------------------------------------------------------------------------------- shared pieces
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """``| a | b |`` lines: the header, the ``|---|`` delimiter and one line per row (cells as ``str``)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def class_label(entry: dict[str, Any]) -> str:
+    """The class name of a config entry ``{class_path: a.b.C, init_args: ...}`` -> ``"C"``."""
+    return str(entry["class_path"]).rsplit(".", 1)[-1]
+
+
+def new_figure(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """``plt.subplots(*args, **kwargs)`` on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> str:
+    """Lay out, save and close ``fig``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------- summaries
+@dataclass(frozen=True)
+class Summary:
+    """A method's summary: ``fn(roots, out, **options) -> markdown`` plus its extra command-line options.
+
+    Attributes:
+        slug: the method's registered slug.
+        fn: reads the runs under ``roots`` (run directories or folders holding them), returns the
+            markdown table, and writes a figure to ``out`` when it is given.
+        options: extra ``--name`` options of ``lowrank summarize <slug>`` -> their default values.
+        help: one line for ``lowrank summarize --help``.
+    """
+
+    slug: str
+    fn: Callable[..., str]
+    options: dict[str, Any] = field(default_factory=dict)
+    help: str = ""
+
+
+_SUMMARIES: dict[str, Summary] = {}
+
+
+def register_summary(slug: str, help: str = "", **options: Any) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """Decorator: register ``fn(roots, out=None, **options) -> str`` as the summary of method ``slug``."""
+
+    def decorator(fn: Callable[..., str]) -> Callable[..., str]:
+        _SUMMARIES[slug] = Summary(slug, fn, dict(options), help or (fn.__doc__ or "").strip().splitlines()[0])
+        return fn
+
+    return decorator
+
+
+def get_summary(slug: str) -> Summary:
+    """The summary of ``slug``, importing the method's module (found by the registry) first.
+
+    Raises:
+        KeyError: no method ``slug``, or the method registers no summary (both name the ones that do).
+    """
+    import importlib
+
+    from lowrank_lit import registry
+
+    methods = {m.slug: m for m in registry.scan_methods()}
+    if slug in methods and slug not in _SUMMARIES:
+        for target in (methods[slug].target, *methods[slug].components):
+            importlib.import_module(target.rpartition(".")[0])
+    if slug not in _SUMMARIES:
+        for info in methods.values():  # the list in the error needs every summary registered
+            importlib.import_module(info.target.rpartition(".")[0])
+        known = ", ".join(sorted(_SUMMARIES)) or "(none)"
+        what = "is not a registered method" if slug not in methods else "registers no summary"
+        raise KeyError(f"{slug!r} {what}; methods with a summary: {known}")
+    return _SUMMARIES[slug]
+
+
+def summarize_main(argv: Sequence[str]) -> int:
+    """``lowrank summarize <slug> <run-root>... [--out FILE] [--<option> VALUE]``: a method's result table."""
+    import argparse
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: lowrank summarize <slug> <run-root>... [--out FILE] [method options]\n\n"
+              "Print a method's result table (markdown) from its runs; --out also writes its figure.\n"
+              "`lowrank summarize <slug> --help` lists the method's options.")
+        return 0
+    try:
+        summary = get_summary(argv[0])
+    except KeyError as exc:
+        print(f"lowrank summarize: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"lowrank summarize {summary.slug}", description=summary.help)
+    parser.add_argument("roots", nargs="+", help="run directories, or folders holding them")
+    parser.add_argument("--out", help="also write the figure to this file (PNG)")
+    for name, default in summary.options.items():
+        parser.add_argument(f"--{name}", default=default, type=type(default) if default is not None else str,
+                            help=f"default: {default}")
+    args = vars(parser.parse_args(list(argv[1:])))
+    roots, out = args.pop("roots"), args.pop("out")
+    try:
+        text = summary.fn(roots, out, **args)
+    except (FileNotFoundError, LookupError, ValueError) as exc:
+        print(f"lowrank summarize {summary.slug}: error: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    if out:
+        print(out)
+    return 0

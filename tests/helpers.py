@@ -49,6 +49,19 @@ def run_cli(*args: Any, run_root: Path) -> int:
     return main([str(a) for a in args] + ["--run_root", str(run_root)])
 
 
+def quiet_trainer(**overrides: Any) -> Any:
+    """A Lightning ``Trainer`` for tests: CPU, no logger, no checkpoints, no progress bar, no model summary.
+
+    Every keyword overrides those defaults (``quiet_trainer(max_epochs=2, callbacks=[cb])``).
+    """
+    import lightning.pytorch as pl
+
+    kwargs: dict[str, Any] = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+                              "enable_progress_bar": False, "enable_model_summary": False}
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
+
+
 def run_dirs(run_root: Path) -> list[Path]:
     """Run directories (``<run_root>/<experiment...>/<run_id>``) that hold a config.yaml."""
     return sorted(p.parent for p in run_root.rglob("config.yaml") if "wandb" not in p.parts)

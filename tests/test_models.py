@@ -8,6 +8,7 @@ import torch
 from lowrank_lit import registry
 from lowrank_lit.models.mlp import MLP
 from lowrank_lit.models.vit import vit_factory, vit_tiny
+from tests.helpers import quiet_trainer
 
 
 def test_mlp_shapes_and_flatten():
@@ -53,8 +54,7 @@ def test_classifier_learns_a_separable_task():
     dm = TensorDataModule(train=(x, y), val=(x, y), batch_size=32)
     model = ImageClassifier(MLP(8, 2, hidden=[16]), num_classes=2,
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
-    trainer = pl.Trainer(max_epochs=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = quiet_trainer(max_epochs=10)
     trainer.fit(model, dm)
     assert trainer.callback_metrics["val/acc"] > 0.95
     assert trainer.callback_metrics["val/loss"] < 0.2

@@ -23,6 +23,13 @@ def test_method_table_matches_registry():
     assert table == methods_markdown(), "README method table is stale: run `lowrank list --markdown`"
 
 
+def test_method_pages_list_matches_registry():
+    from lowrank_lit.cli import method_pages_markdown
+
+    pages = README.split("<!-- pages:begin -->\n")[1].split("<!-- pages:end -->")[0]
+    assert pages == method_pages_markdown(), "README method pages are stale: run `lowrank list --pages`"
+
+
 def test_quickstart_has_two_single_line_commands():
     main, test = _block_after("quickstart:main"), _block_after("quickstart:test")
     for cmd in (main, test):

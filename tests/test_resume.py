@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from torch.utils.data import TensorDataset
 
 from lowrank_lit.callbacks import ResumeCheckpoint
 from lowrank_lit.data.loader import ResumableDataLoader
-from tests.helpers import MLP_CONFIG, ROOT, run_cli
+from tests.helpers import MLP_CONFIG, ROOT, quiet_trainer, run_cli
 
 EPOCHS = ["--trainer.max_epochs=5"]
 
@@ -187,9 +186,7 @@ def test_every_n_train_steps_and_epoch_ends(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     cb = _Recording(dirpath=str(tmp_path), every_n_train_steps=3)
-    trainer = Trainer(max_epochs=2, limit_train_batches=5, limit_val_batches=1, callbacks=[cb], logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=True,
-                      default_root_dir=str(tmp_path))
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=5, limit_val_batches=1, callbacks=[cb], enable_checkpointing=True, default_root_dir=str(tmp_path))
     trainer.fit(BoringModel())
     assert cb.saved == [(0, 3, False), (0, 5, True), (1, 6, False), (1, 9, False), (1, 10, True)]
 

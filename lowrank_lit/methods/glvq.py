@@ -47,6 +47,7 @@ from torch import nn
 
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
 
 __all__ = [
     "mulaw",
@@ -617,31 +618,20 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["bits"], r["method"]))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lowrank_lit.methods.glvq RUN_DIR_OR_FOLDER... [--out errors.png]``: table (and plot)."""
-    import argparse
-
+@register_summary("glvq")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """GLVQ / scalar-lattice / RTN quantization runs: per-layer error, stored bits, test accuracy (and a bar plot)."""
     from lowrank_lit.report import find_runs
 
-    parser = argparse.ArgumentParser(description="Summarize GLVQ / scalar-lattice / RTN quantization runs.")
-    parser.add_argument("runs", nargs="+")
-    parser.add_argument("--out")
-    args = parser.parse_args(argv)
-    dirs = find_runs(args.runs, "quantization.csv")
-    if not dirs:
-        raise SystemExit(f"no quantization run under {args.runs}")
+    dirs = find_runs(roots, "quantization.csv", required=True)
     rows = summarize(dirs)
-    print("| bits | method | rel. output error, layer 1 | layer 2 | stored bits / weight | test acc |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['bits']} | {r['method']} | {r['errors'][0]:.4f} | {r['errors'][-1]:.4f} | {r['bits_per_weight']:.3f} | {r['acc']:.4f} |")
-    if args.out:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    table = markdown_table(
+        ["bits", "method", "rel. output error, layer 1", "layer 2", "stored bits / weight", "test acc"],
+        [[r["bits"], r["method"], f"{r['errors'][0]:.4f}", f"{r['errors'][-1]:.4f}", f"{r['bits_per_weight']:.3f}",
+          f"{r['acc']:.4f}"] for r in rows],
+    )
+    if out:
+        fig, ax = new_figure(figsize=(7.5, 3.8))
         labels = [f"{r['method']}\n{r['bits']} bit" for r in rows]
         for j in range(len(rows[0]["errors"])):
             ax.bar([i + 0.4 * j for i in range(len(rows))], [r["errors"][j] for r in rows], width=0.4, label=f"layer {j + 1}")
@@ -649,10 +639,5 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel("relative output error")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.out, dpi=120)
-        print(args.out)
-
-
-if __name__ == "__main__":
-    main()
+        save_figure(fig, out)
+    return table

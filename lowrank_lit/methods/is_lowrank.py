@@ -37,6 +37,7 @@ import torch
 
 from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
 
 __all__ = [
     "LowRankAdam",
@@ -264,12 +265,7 @@ def plot_overlap(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None
     """Projector overlap vs step, one line per run directory (from ``subspace.csv``)."""
     import csv
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure(figsize=(7, 4))
     colors: dict[str, str] = {}
     for i, d in enumerate(run_dirs):
         with open(os.path.join(d, "subspace.csv")) as f:
@@ -281,10 +277,7 @@ def plot_overlap(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None
     ax.set_ylabel("overlap of consecutive projectors")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 
@@ -326,34 +319,23 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         return f"{statistics.mean(vals):{fmt}} +/- {sd:{fmt}}"
 
-    lines = ["| optimizer | restarts | val loss (nats/char) | overlap of consecutive projectors (2nd half) | effective rank of W_T - W_0 |",
-             "|---|---|---|---|---|"]
+    table = []
     for name in sorted(by, key=lambda n: ("AdamW" not in n, n)):
         rs = sorted(by[name], key=lambda r: r["seed"])
-        lines.append(f"| {name} | {len(rs)} | {ms([r['val_loss'] for r in rs], '.4f')} | {ms([r['overlap'] for r in rs], '.3f')} | "
-                     f"{ms([r['erank'] for r in rs], '.1f')} |")
-    return "\n".join(lines)
+        table.append([name, len(rs), ms([r["val_loss"] for r in rs], ".4f"), ms([r["overlap"] for r in rs], ".3f"),
+                      ms([r["erank"] for r in rs], ".1f")])
+    return markdown_table(["optimizer", "restarts", "val loss (nats/char)", "overlap of consecutive projectors (2nd half)",
+                           "effective rank of W_T - W_0"], table)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m lowrank_lit.methods.is_lowrank RUN_DIR_OR_FOLDER... [--out overlap.png]``."""
-    import argparse
-
+@register_summary("is_lowrank")
+def summary(roots: Sequence[str], out: str | None = None) -> str:
+    """Char-LM runs of AdamW, GaLore and importance-sampled LowRankAdam (and the projector-overlap plot)."""
     from lowrank_lit.report import find_runs
 
-    parser = argparse.ArgumentParser(description="Summarize char-LM runs of AdamW, GaLore and importance-sampled LowRankAdam.")
-    parser.add_argument("runs", nargs="+")
-    parser.add_argument("--out", help="plot the projector overlap of the runs with a subspace.csv")
-    args = parser.parse_args(argv)
-    dirs = find_runs(args.runs, "subspace.csv")
-    if not dirs:
-        raise SystemExit(f"no run with subspace.csv under {args.runs}")
+    dirs = find_runs(roots, "subspace.csv", required=True)
     rows = [_run_summary(d) for d in dirs]
-    print(summary_table(rows))
-    if args.out:
+    if out:
         low = [(d, r) for d, r in zip(dirs, rows, strict=True) if r["optimizer"] != "AdamW"]
-        print(plot_overlap([d for d, _ in low], args.out, [f"{r['optimizer']}, seed {r['seed']}" for _, r in low]))
-
-
-if __name__ == "__main__":
-    main()
+        plot_overlap([d for d, _ in low], out, [f"{r['optimizer']}, seed {r['seed']}" for _, r in low])
+    return summary_table(rows)

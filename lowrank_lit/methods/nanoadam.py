@@ -41,6 +41,7 @@ from torch import nn
 
 from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
 
 __all__ = ["NanoAdam", "bottom_k_mask", "select_indices", "kept_count", "grad_weight_correlation", "GradWeightCorrelation"]
 
@@ -340,26 +341,22 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     cells: dict[tuple[Any, str], list[dict[str, Any]]] = {}
     for r in rows:
         cells.setdefault((r["lr"], r["optimizer"]), []).append(r)
-    lines = ["| lr | optimizer | target acc | source acc (forgetting) | body drift | per seed (target / source / drift) |",
-             "|---|---|---|---|---|---|"]
+    table = []
     for (lr, name), rs in sorted(cells.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         rs = sorted(rs, key=lambda r: r["seed"])
         mean = {k: sum(r[k] for r in rs) / len(rs) for k in METRICS}
         per = "; ".join(f"{r['test/target_acc']:.3f} / {r['test/source_acc']:.3f} / {r['test/drift']:.1f}" for r in rs)
-        lines.append(f"| {lr:g} | {name} | {mean['test/target_acc']:.4f} | {mean['test/source_acc']:.4f} | {mean['test/drift']:.2f} | {per} |")
-    return "\n".join(lines)
+        table.append([f"{lr:g}", name, f"{mean['test/target_acc']:.4f}", f"{mean['test/source_acc']:.4f}",
+                      f"{mean['test/drift']:.2f}", per])
+    return markdown_table(["lr", "optimizer", "target acc", "source acc (forgetting)", "body drift",
+                           "per seed (target / source / drift)"], table)
 
 
 def plot_summary(rows: list[dict[str, Any]], out: str, lr: float | None = None) -> str:
     """Bars of target accuracy, source accuracy and drift per optimizer (seed means) at one lr."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lr = lr if lr is not None else max(r["lr"] for r in rows)
     names = sorted({r["optimizer"] for r in rows if r["lr"] == lr})
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
+    fig, axes = new_figure(1, 3, figsize=(11, 3.5))
     for ax, key, title in zip(axes, METRICS, ("target accuracy (digits 5-9)", "source accuracy (0-4, frozen head)", "L2 drift of the body"), strict=True):
         vals = [sum(r[key] for r in rows if r["optimizer"] == n and r["lr"] == lr) /
                 max(1, sum(1 for r in rows if r["optimizer"] == n and r["lr"] == lr)) for n in names]
@@ -370,29 +367,17 @@ def plot_summary(rows: list[dict[str, Any]], out: str, lr: float | None = None) 
         if "acc" in key:
             ax.set_ylim(0, 1)
     fig.suptitle(f"split-digits fine-tuning, lr {lr:g}, mean of seeds", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lowrank_lit.methods.nanoadam RUN_DIR_OR_FOLDER... [--out bars.png]``."""
-    import argparse
-
+@register_summary("nanoadam")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Split-digits fine-tuning runs (NanoAdam, its ablations, AdamW); --out: bars of the largest lr's results."""
     from lowrank_lit.report import find_runs
 
-    parser = argparse.ArgumentParser(description="Summarize split-digits fine-tuning runs (NanoAdam, ablations, AdamW).")
-    parser.add_argument("runs", nargs="+")
-    parser.add_argument("--out", help="bar plot of the largest lr's results")
-    args = parser.parse_args(argv)
-    rows = _run_rows(find_runs(args.runs, "config.yaml"))
+    rows = _run_rows(find_runs(roots, "config.yaml"))
     if not rows:
-        raise SystemExit(f"no finished split-digits run under {args.runs}")
-    print(summary_table(rows))
-    if args.out:
-        print(plot_summary(rows, args.out))
-
-
-if __name__ == "__main__":
-    main()
+        raise FileNotFoundError(f"no finished split-digits run under {roots}")
+    if out:
+        plot_summary(rows, out)
+    return summary_table(rows)

@@ -231,13 +231,10 @@ class PinvBoundStudy(pl.LightningModule):
 
 
 def _plot_study(table: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lowrank_lit.report import new_figure, save_figure
 
     names = list(dict.fromkeys(t["matrix"] for t in table))
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.0), squeeze=False)
+    fig, axes = new_figure(1, len(names), figsize=(3.2 * len(names), 3.0), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         ts = sorted((t for t in table if t["matrix"] == name), key=lambda t: t["E_norm"])
         x = [t["E_norm"] for t in ts]
@@ -249,6 +246,4 @@ def _plot_study(table: list[dict], path: str) -> None:
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("||(A+E)^-1_p - A_p^-1||")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

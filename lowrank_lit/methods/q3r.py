@@ -50,6 +50,7 @@ from torch import nn
 from lowrank_lit.nn.lowrank_linear import svd_factorize
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
 
 __all__ = [
     "EPS_SCHEDULES",
@@ -393,12 +394,6 @@ class Q3R(Callback):
         # fail at config time, before any training
         self.hparams = Q3RHparams(target_rank, lam, period, eps_schedule, eps_decay_steps, eps_min)
         self.patterns = list(targets)
-        self.target_rank = target_rank
-        self.lam = lam
-        self.period = period
-        self.eps_schedule = eps_schedule
-        self.eps_decay_steps = eps_decay_steps
-        self.eps_min = eps_min
         self.log_stats = log_stats
         self.regularizer: Q3RRegularizer | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -583,12 +578,7 @@ def _plot(rows: list[dict[str, float]], path: str) -> str:
 
 def plot_truncation(series: dict[str, list[dict[str, float]]], path: str) -> str:
     """Accuracy vs kept parameters, one line per series (rows as in ``truncation.csv``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    fig, ax = new_figure(figsize=(4.5, 3.2))
     for label, rows in series.items():
         ax.plot([r["kept_params"] for r in rows], [r["acc"] for r in rows], "o-", label=label or None)
     ax.set_xlabel("kept parameters of the targets")
@@ -597,16 +587,14 @@ def plot_truncation(series: dict[str, list[dict[str, float]]], path: str) -> str
     ax.grid(alpha=0.3)
     if any(series):
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
+@register_summary("q3r")
 def compare(experiment_dirs: Sequence[str], out: str | None = None) -> str:
     """Average ``truncation.csv`` over the runs (seeds) of each experiment folder; markdown table (+ plot).
 
-    ``python -m lowrank_lit.methods.q3r runs/q3r/mlp_digits runs/q3r/mlp_digits_adamw --out cmp.png``
+    ``lowrank summarize q3r runs/q3r/mlp_digits runs/q3r/mlp_digits_adamw --out cmp.png``
     """
     import csv
     from pathlib import Path
@@ -625,20 +613,8 @@ def compare(experiment_dirs: Sequence[str], out: str | None = None) -> str:
         ]
         counts[label] = len(runs)
     rhos = [r["keep_fraction"] for r in next(iter(series.values()))]
-    lines = ["| keep fraction | " + " | ".join(f"{k} (n={counts[k]})" for k in series) + " |",
-             "|---|" + "---|" * len(series)]
-    for i, rho in enumerate(rhos):
-        lines.append(f"| {rho:g} | " + " | ".join(f"{series[k][i]['acc']:.4f}" for k in series) + " |")
+    header = ["keep fraction", *(f"{k} (n={counts[k]})" for k in series)]
+    rows = [[f"{rho:g}", *(f"{series[k][i]['acc']:.4f}" for k in series)] for i, rho in enumerate(rhos)]
     if out:
         plot_truncation(series, out)
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    import argparse
-
-    _p = argparse.ArgumentParser(description="Average truncation results over seeds and compare experiments.")
-    _p.add_argument("experiment_dirs", nargs="+", help="folders runs/<experiment> holding <run_id>/truncation.csv")
-    _p.add_argument("--out", default=None, help="write the comparison plot here (PNG)")
-    _a = _p.parse_args()
-    print(compare(_a.experiment_dirs, _a.out))
+    return markdown_table(header, rows)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import class_label, markdown_table, register_summary
 from lowrank_lit.tta.base import TTAMethod, TTAWrapper, entropy
 
 __all__ = ["StyleExtractor", "ReservoirTTA"]
@@ -310,7 +311,7 @@ class ReservoirTTA(TTAWrapper):
 
 
 def _method_label(cfg_method: dict[str, Any]) -> str:
-    name = cfg_method["class_path"].rsplit(".", 1)[-1]
+    name = class_label(cfg_method)
     if name == "ReservoirTTA":
         return _method_label(cfg_method["init_args"]["method"]) + " + Reservoir"
     return name
@@ -345,33 +346,22 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
 def summary_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: error (%) per recurrence per method, with the model count and purity of reservoir runs."""
     recs = sorted({k for r in rows for k in r["per_recurrence"]})
-    lines = ["| method | " + " | ".join(f"r{k + 1}" for k in recs) + " | models | purity |", "|---|" + "---|" * (len(recs) + 2)]
+    table = []
     for r in rows:
-        errs = " | ".join(f"{100 * r['per_recurrence'][k]:.1f}" if k in r["per_recurrence"] else "-" for k in recs)
-        extra = f"{r['models']} | {r['purity']:.3f}" if "models" in r else "- | -"
-        lines.append(f"| {r['method']} | {errs} | {extra} |")
-    return "\n".join(lines)
+        errs = [f"{100 * r['per_recurrence'][k]:.1f}" if k in r["per_recurrence"] else "-" for k in recs]
+        extra = [r["models"], f"{r['purity']:.3f}"] if "models" in r else ["-", "-"]
+        table.append([r["method"], *errs, *extra])
+    return markdown_table(["method", *(f"r{k + 1}" for k in recs), "models", "purity"], table)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lowrank_lit.methods.reservoir_tta RUN_DIR_OR_FOLDER... [--out errors.png]``."""
-    import argparse
-
+@register_summary("reservoir_tta")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Error per recurrence of test-time adaptation runs (and a plot, one line per run)."""
     from lowrank_lit.report import find_runs
     from lowrank_lit.tta.module import plot_recurrence
 
-    parser = argparse.ArgumentParser(description="Error per recurrence of test-time adaptation runs.")
-    parser.add_argument("runs", nargs="+")
-    parser.add_argument("--out", help="plot error per recurrence, one line per run")
-    args = parser.parse_args(argv)
-    dirs = find_runs(args.runs, "tta_batches.csv")
-    if not dirs:
-        raise SystemExit(f"no TTA run (tta_batches.csv) under {args.runs}")
+    dirs = find_runs(roots, "tta_batches.csv", required=True)
     rows = summarize(dirs)
-    print(summary_table(rows))
-    if args.out:
-        print(plot_recurrence({r["method"]: r["per_recurrence"] for r in rows}, args.out))
-
-
-if __name__ == "__main__":
-    main()
+    if out:
+        plot_recurrence({r["method"]: r["per_recurrence"] for r in rows}, out)
+    return summary_table(rows)

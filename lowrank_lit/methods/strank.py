@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import class_label, markdown_table, new_figure, register_summary, save_figure
 
 __all__ = [
     "STRankLoss",
@@ -357,7 +358,7 @@ def _run_info(run_dir: str) -> dict[str, Any]:
 
     cfg = read_config(run_dir)
     loss = cfg["model"]["init_args"]["loss"]
-    name = loss["class_path"].rsplit(".", 1)[-1]
+    name = class_label(loss)
     if name == "STRankLoss":
         name = f"STRank-{(loss.get('init_args') or {}).get('mode', 'list')}"
     return {"loss": name, "setting": cfg["data"]["init_args"].get("setting", "-"), "seed": cfg.get("seed_everything")}
@@ -375,12 +376,7 @@ def plot_curves(run_dirs: Sequence[str], out: str, gene: int = 0) -> str:
     """Plot predicted vs true curves (each z-scored) from the ``predictions.csv`` of several runs."""
     import csv
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_figure(figsize=(7, 4))
 
     def zscore(v: torch.Tensor) -> torch.Tensor:
         return (v - v.mean()) / (v.std() + 1e-12)
@@ -399,10 +395,7 @@ def plot_curves(run_dirs: Sequence[str], out: str, gene: int = 0) -> str:
     ax.set_xlabel("x")
     ax.set_ylabel("z-scored expression")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman") -> str:
@@ -411,8 +404,7 @@ def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman")
     for r in rows:
         cells.setdefault((r["loss"], r["setting"]), []).append((r["seed"], r[metric]))
     settings = sorted({s for _, s in cells}, key=lambda s: (s != "imbalanced", s))
-    lines = ["| loss | " + " | ".join(f"{s}: mean | {s}: per seed" for s in settings) + " |",
-             "|---|" + "---|---|" * len(settings)]
+    table = []
     for loss in sorted({k for k, _ in cells}):
         parts = []
         for s in settings:
@@ -422,28 +414,18 @@ def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman")
                 continue
             mean = sum(v for _, v in vals) / len(vals)
             parts += [f"{mean:+.3f}", " / ".join(f"{v:+.3f}" for _, v in vals)]
-        lines.append(f"| {loss} | " + " | ".join(parts) + " |")
-    return "\n".join(lines)
+        table.append([loss, *parts])
+    return markdown_table(["loss", *(h for s in settings for h in (f"{s}: mean", f"{s}: per seed"))], table)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m lowrank_lit.methods.strank RUN_DIR... [--out curves.png]``: table (and curve plot)."""
-    import argparse
-
+@register_summary("strank", metric="test/spearman")
+def summary(roots: Sequence[str], out: str | None = None, metric: str = "test/spearman") -> str:
+    """STRank / baseline runs: the metric per loss, setting and seed (--out: the predicted curves)."""
     from lowrank_lit.report import find_runs
 
-    parser = argparse.ArgumentParser(description="Summarize STRank / baseline runs (test/spearman per loss, setting, seed).")
-    parser.add_argument("runs", nargs="+", help="run directories, or folders holding them (searched for config.yaml)")
-    parser.add_argument("--metric", default="test/spearman")
-    parser.add_argument("--out", help="also plot the predicted curves of these runs to this PNG")
-    args = parser.parse_args(argv)
-    dirs = [d for d in find_runs(args.runs, "config.yaml") if os.path.isfile(os.path.join(d, "metrics.csv"))]
+    dirs = [d for d in find_runs(roots, "config.yaml") if os.path.isfile(os.path.join(d, "metrics.csv"))]
     if not dirs:
-        raise SystemExit(f"no run directory (config.yaml + metrics.csv) under {args.runs}")
-    print(summary_table(summarize(dirs, args.metric), args.metric))
-    if args.out:
-        print(plot_curves(dirs, args.out))
-
-
-if __name__ == "__main__":
-    main()
+        raise FileNotFoundError(f"no run directory (config.yaml + metrics.csv) under {roots}")
+    if out:
+        plot_curves(dirs, out)
+    return summary_table(summarize(dirs, metric), metric)

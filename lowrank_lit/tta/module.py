@@ -145,19 +145,13 @@ def _cycle(make: Any) -> Any:
 
 def plot_recurrence(curves: dict[str, dict[int, float]], out: str) -> str:
     """Error per recurrence, one line per method."""
-    import matplotlib
+    from lowrank_lit.report import new_figure, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = new_figure(figsize=(6.5, 4))
     for name, per in curves.items():
         ks = sorted(per)
         ax.plot([k + 1 for k in ks], [100 * per[k] for k in ks], marker="o", label=name)
     ax.set_xlabel("recurrence")
     ax.set_ylabel("error (%)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.methods.is_lowrank import LowRankAdam, effective_rank, projector_overlap, select_subspace
+from tests.helpers import quiet_trainer
 
 
 def _grad_seq(shape, n, seed=0, rank=None):
@@ -274,9 +275,7 @@ def _lm_run(optimizer, seed, steps=1500):
     pl.seed_everything(seed, verbose=False)
     cb = SubspaceOverlap(erank_every=steps)
     model = CausalLanguageModel(llama(), optimizer)
-    trainer = pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=20, val_check_interval=steps,
-                         check_val_every_n_epoch=None, num_sanity_val_steps=0, callbacks=[cb], accelerator="cpu")
+    trainer = quiet_trainer(max_steps=steps, limit_val_batches=20, val_check_interval=steps, check_val_every_n_epoch=None, num_sanity_val_steps=0, callbacks=[cb])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, CharTextDataModule())

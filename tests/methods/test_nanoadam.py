@@ -17,6 +17,7 @@ from lowrank_lit.methods.nanoadam import (
     select_indices,
 )
 from lowrank_lit.optim import matrix_param_groups
+from tests.helpers import quiet_trainer
 
 
 def _problem(seed=0, shape=(12, 10)):
@@ -245,8 +246,7 @@ def _finetune(optimizer, seed):
     pl.seed_everything(seed, verbose=False)
     model = SplitClassFinetune(optimizer)
     dm = DigitsSplitDataModule()
-    trainer = pl.Trainer(max_steps=300, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, deterministic=True, accelerator="cpu")
+    trainer = quiet_trainer(max_steps=300, deterministic=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, dm)

@@ -17,6 +17,7 @@ from lowrank_lit.methods.pinv_bounds import (
     max_noise_std,
     symmetric_noise,
 )
+from tests.helpers import quiet_trainer
 
 D = torch.float64
 
@@ -153,7 +154,6 @@ def test_tail_rule_and_matrices():
 
 
 def test_study_on_user_matrix(tmp_path):
-    import lightning.pytorch as pl
     import numpy as np
 
     from lowrank_lit.data.matrices import MatrixDataModule
@@ -164,8 +164,7 @@ def test_study_on_user_matrix(tmp_path):
     dm = MatrixDataModule(matrices=[], matrix_files=[str(tmp_path / "mine.npy")], p=5,
                           noise_multiples=[0.5, 0.05, 0.005], draws=3)
     study = PinvBoundStudy(plot=True)
-    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer = quiet_trainer(default_root_dir=tmp_path)
     trainer.test(study, dm)
     assert trainer.callback_metrics["pinv/violations"] == 0
     assert abs(float(trainer.callback_metrics["pinv/mine/slope_error"]) - 1.0) < 0.1

@@ -17,6 +17,7 @@ from lowrank_lit.methods.q3r import (
     truncate,
     truncation_rank,
 )
+from tests.helpers import quiet_trainer
 
 
 def _one(W: torch.Tensor, rank=2, lam=1.0, **kw) -> tuple[Q3RRegularizer, nn.Module]:
@@ -175,7 +176,6 @@ def test_lam_zero_equals_adam_and_callback_equals_adamq3r():
 
 
 def test_callback_matches_adamq3r_in_lightning(tmp_path):
-    import lightning.pytorch as pl
 
     from lowrank_lit.data import TensorDataModule
     from lowrank_lit.models.classifier import ImageClassifier
@@ -188,8 +188,7 @@ def test_callback_matches_adamq3r_in_lightning(tmp_path):
     reference = copy.deepcopy(net)
     model = ImageClassifier(net, num_classes=3, optimizer=lambda p: torch.optim.Adam(p, lr=1e-2))
     cb = Q3R(targets=["backbone.net.0"], target_rank=2, lam=0.5, period=2, log_stats=False)
-    trainer = pl.Trainer(max_epochs=2, callbacks=[cb], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = quiet_trainer(max_epochs=2, callbacks=[cb], default_root_dir=tmp_path)
     trainer.fit(model, TensorDataModule(train=(x, y), batch_size=16, shuffle=False))
     reg = Q3RRegularizer(resolve_targets(reference, ["net.0"]), 2, lam=0.5, period=2)
     opt = AdamQ3R(reference.parameters(), reg, lr=1e-2)
@@ -318,7 +317,6 @@ def test_compare_averages_seeds(tmp_path):
 
 
 def test_callback_state_survives_checkpoint_resume(tmp_path):
-    import lightning.pytorch as pl
 
     from lowrank_lit.data import TensorDataModule
     from lowrank_lit.models.classifier import ImageClassifier
@@ -331,8 +329,7 @@ def test_callback_state_survives_checkpoint_resume(tmp_path):
         torch.manual_seed(1)
         model = ImageClassifier(MLP(6, 3, hidden=[10]), num_classes=3)
         cb = Q3R(targets=["backbone.net.0"], target_rank=2, lam=0.5, period=3, log_stats=False)
-        trainer = pl.Trainer(max_epochs=epochs, callbacks=[cb], logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=tmp_path)
+        trainer = quiet_trainer(max_epochs=epochs, callbacks=[cb], default_root_dir=tmp_path, enable_checkpointing=True)
         trainer.fit(model, TensorDataModule(train=(x, y), batch_size=16), ckpt_path=ckpt)
         return trainer, cb
 

@@ -15,6 +15,7 @@ from lowrank_lit.methods.reservoir_tta import ReservoirTTA, StyleExtractor
 from lowrank_lit.models.cnn import GroupNormCNN
 from lowrank_lit.tta import EATA, CoTTA, SourceOnly, Tent, entropy, purity
 from lowrank_lit.tta.base import norm_affine_params as norm_params
+from tests.helpers import quiet_trainer
 
 LAYERS = ["blocks.0.0", "blocks.1.0"]
 
@@ -342,8 +343,7 @@ def _stream_run(method, ckpt, recurrences=6):
 
     pl.seed_everything(0, verbose=False)
     module = TTAModule(GroupNormCNN(widths=[32, 32, 32]), method, source_ckpt=str(ckpt))
-    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, inference_mode=False,
-                         enable_checkpointing=False, accelerator="cpu")
+    trainer = quiet_trainer(inference_mode=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.test(module, DigitsCorruptionDataModule(recurrences=recurrences), verbose=False)

@@ -23,6 +23,7 @@ from lowrank_lit.methods.strank import (
     strank_pair_loss,
 )
 from lowrank_lit.models.expression import groupwise_correlation
+from tests.helpers import quiet_trainer
 
 D = torch.float64
 
@@ -389,8 +390,7 @@ def _card_run(loss, setting, seed):
     pl.seed_everything(seed, verbose=False)
     model = GeneExpressionRegressor(MLP(1, 1, [32, 32], "relu"), loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     dm = SyntheticSTDataModule(setting=setting, data_seed=seed)
-    trainer = pl.Trainer(max_epochs=15, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, deterministic=True, limit_val_batches=0, accelerator="cpu")
+    trainer = quiet_trainer(max_epochs=15, deterministic=True, limit_val_batches=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, dm)

@@ -1,0 +1,110 @@
+"""Pinned short runs, torchtune style: a silent numeric change in any method fails here.
+
+For one CPU config of every registered method, a few steps under seed 0 and the first three values
+the method logs (training losses, or the quantization errors / adaptation errors / bound-study
+errors of the evaluation-only methods) are compared with the values pinned below (rtol 1e-4, room
+for CPU instruction-set differences, far below any real change). A method without an entry fails
+`test_every_method_has_pinned_values`.
+
+If a change is intended, rerun `python -m tests.test_pinned` and paste the printed values.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import CONFIGS, run_cli
+
+FIT3 = ["--trainer.max_steps=3", "--trainer.max_epochs=-1", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0",
+        "--test_after_fit=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def _only(root: Path, name: str) -> Path:
+    files = sorted(root.rglob(name))
+    assert len(files) == 1, files
+    return files[0]
+
+
+def _column(path: Path, key: str, n: int = 3) -> list[float]:
+    with open(path) as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key) not in ("", None)][:n]
+
+
+def _train_losses(root: Path) -> list[float]:
+    path = _only(root, "metrics.csv")
+    header = path.read_text().splitlines()[0].split(",")
+    return _column(path, "train/loss_step" if "train/loss_step" in header else "train/loss")
+
+
+def _fit(config: str, *extra: str) -> Callable[[Path], list[float]]:
+    def run(root: Path) -> list[float]:
+        assert run_cli("fit", "--config", CONFIGS / config, *FIT3, *extra, run_root=root) == 0
+        return _train_losses(root)
+
+    return run
+
+
+def _glvq(root: Path) -> list[float]:
+    assert run_cli("fit", "--config", CONFIGS / "glvq/mlp_digits_fp.yaml", *FIT3, "--run_id", "fp", run_root=root / "fp") == 0
+    ckpt = _only(root / "fp", "last.ckpt")
+    assert run_cli("test", "--config", CONFIGS / "glvq/mlp_digits_2bit.yaml", "--ckpt_path", ckpt,
+                   "--trainer.callbacks.init_args.calib_batches=2", "--trainer.callbacks.init_args.steps=20",
+                   "--trainer.enable_progress_bar=false", run_root=root / "q") == 0
+    quant = _only(root / "q", "quantization.csv")
+    return _column(quant, "rel_error", 2) + _column(_only(root / "q", "metrics.csv"), "test/acc", 1)
+
+
+def _reservoir(root: Path) -> list[float]:
+    assert run_cli("fit", "--config", CONFIGS / "reservoir_tta/source_cnn_digits.yaml", *FIT3, run_root=root / "src") == 0
+    ckpt = _only(root / "src", "last.ckpt")
+    assert run_cli("test", "--config", CONFIGS / "reservoir_tta/csc_digits.yaml", f"--model.init_args.source_ckpt={ckpt}",
+                   "--model.init_args.method.init_args.n_source_styles=20", "--data.init_args.recurrences=1",
+                   "--trainer.limit_test_batches=3", "--trainer.enable_progress_bar=false", run_root=root / "tta") == 0
+    return _column(_only(root / "tta", "tta_batches.csv"), "error")
+
+
+def _pinv(root: Path) -> list[float]:
+    assert run_cli("test", "--config", CONFIGS / "pinv_bounds/synthetic_spectra.yaml", "--data.init_args.draws=1",
+                   "--data.init_args.n_synthetic=50", "--model.init_args.plot=false", run_root=root) == 0
+    return _column(_only(root, "pinv_bounds.csv"), "error")
+
+
+#: slug -> (what it runs, the first three values it logs under seed 0)
+PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
+    "baseline": (_fit("baseline/mlp_digits.yaml"), [2.312239646911621, 2.2648181915283203, 2.249929666519165]),
+    "q3r": (_fit("q3r/mlp_digits.yaml"), [2.297163963317871, 2.275824546813965, 2.276823043823242]),
+    "strank": (_fit("strank/synthetic_imbalanced.yaml"), [27.964527130126953, 29.970651626586914, 33.225311279296875]),
+    "nanoadam": (_fit("nanoadam/digits_finetune.yaml"), [1.9976024627685547, 1.8209713697433472, 1.530207633972168]),
+    "is_lowrank": (_fit("is_lowrank/char_lm.yaml"), [4.8457207679748535, 4.631700038909912, 4.440855979919434]),
+    "glvq": (_glvq, [0.09417196002189185, 0.08925964007626871, 0.30444443225860596]),
+    "reservoir_tta": (_reservoir, [0.890625, 0.8125, 0.90625]),
+    "pinv_bounds": (_pinv, [9.53239879028542, 3.793205535636699, 0.5225886098338843]),
+}
+
+
+def test_every_method_has_pinned_values():
+    from lowrank_lit import registry
+
+    assert sorted(PINNED) == sorted(m.slug for m in registry.scan_methods())
+
+
+@pytest.mark.parametrize("slug", sorted(PINNED))
+def test_first_logged_values_are_pinned(slug, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run, expected = PINNED[slug]
+    got = run(tmp_path / "runs")
+    assert len(got) == 3 and all(math.isfinite(v) for v in got), got
+    assert got == pytest.approx(expected, rel=1e-4), f"{slug}: {got}"
+
+
+if __name__ == "__main__":  # print the values to pin
+    import tempfile
+
+    for slug, (run, _) in sorted(PINNED.items()):
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f'"{slug}": {run(Path(tmp) / "runs")},')
