@@ -19,3 +19,15 @@ def _isolate_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith("SLURM_") or key in ("LOWRANK_RUN_DIR", "LOCAL_RANK"):
             monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _restore_rank_zero():
+    """A Trainer built in-process for a non-zero rank (SLURM environment tests) sets Lightning's global
+    ``rank_zero_only.rank``; put it back so later in-process runs still log and save."""
+    yield
+    import sys
+
+    module = sys.modules.get("lightning_utilities.core.rank_zero")
+    if module is not None:
+        module.rank_zero_only.rank = 0

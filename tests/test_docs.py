@@ -85,11 +85,11 @@ def test_table_checker_catches_broken_tables():
 
 
 # words from how the project is organised, not from what a user reads
-_IN_HOUSE = re.compile(r"\b(the card|card's|cards'|method card|paper \d\d\b|the issue|issue's|issue \d+)", re.I)
+_IN_HOUSE = re.compile(r"\b(cards?|cards'|paper \d\d|the issue|issue's|issue \d+)\b", re.I)
 
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_speak_of_claims_and_criteria(page):
-    hits = [f"line {n}: {m.group(0)!r}" for n, line in enumerate(page.read_text().splitlines(), 1)
-            for m in _IN_HOUSE.finditer(line)]
+    text = page.read_text()
+    hits = [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in _IN_HOUSE.finditer(text)]
     assert hits == [], "say 'the paper's claim' or 'our acceptance criterion' instead"
