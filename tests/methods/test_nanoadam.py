@@ -237,7 +237,7 @@ def test_split_digits_data():
 
 # -- must show (card 12 section 4) ------------------------------------------------------------------
 
-def _finetune(optimizer, seed):
+def _finetune(optimizer, seed, split_seed=0):
     import lightning.pytorch as pl
 
     from lowrank_lit.data.digits import DigitsSplitDataModule
@@ -245,7 +245,7 @@ def _finetune(optimizer, seed):
 
     pl.seed_everything(seed, verbose=False)
     model = SplitClassFinetune(optimizer)
-    dm = DigitsSplitDataModule()
+    dm = DigitsSplitDataModule(split_seed=split_seed)
     trainer = quiet_trainer(max_steps=300, deterministic=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -257,21 +257,29 @@ def _finetune(optimizer, seed):
 
 @pytest.mark.slow
 def test_must_show_split_digits():
-    """lr 1e-2, seeds 0 and 1: target acc within 1 point of AdamW, source acc >= 30 points higher,
-    drift <= 0.6x AdamW, and drift(smallest) < drift(random) < drift(largest)."""
-    def mean(opt):
-        runs = [_finetune(opt, s) for s in (0, 1)]
-        return [sum(r[i] for r in runs) / len(runs) for i in range(3)]
+    """Our acceptance criterion, over the 10 random states of sweeps/nanoadam_states.yaml (lr 1e-2, the
+    digits split drawn with each state): mean target-accuracy gap AdamW - NanoAdam <= 1.5 points;
+    source accuracy >= 30 points above AdamW on the mean; body drift <= 0.6x AdamW's on the mean;
+    drift(smallest) < drift(random) < drift(largest) in >= 8 of 10 states."""
+    states = range(10)
 
-    adamw = mean(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0))
-    nano = {sel: mean(lambda p, sel=sel: NanoAdam(p, lr=1e-2, density=0.05, mask_interval=50, selector=sel))
+    def runs(opt):
+        return [_finetune(opt, s, split_seed=None) for s in states]
+
+    adamw = runs(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.0))
+    nano = {sel: runs(lambda p, sel=sel: NanoAdam(p, lr=1e-2, density=0.05, mask_interval=50, selector=sel))
             for sel in ("smallest", "random", "largest")}
+
+    def mean(rs, i):
+        return sum(r[i] for r in rs) / len(rs)
+
     small = nano["smallest"]
     report = {"adamw": adamw, **nano}
-    assert small[1] - adamw[1] >= 0.30, report
-    assert small[2] <= 0.6 * adamw[2], report
-    assert nano["smallest"][2] < nano["random"][2] < nano["largest"][2], report
-    assert abs(small[0] - adamw[0]) <= 0.01, report
+    assert mean(adamw, 0) - mean(small, 0) <= 0.015, report
+    assert mean(small, 1) - mean(adamw, 1) >= 0.30, report
+    assert mean(small, 2) <= 0.6 * mean(adamw, 2), report
+    ordered = sum(s[2] < r[2] < g[2] for s, r, g in zip(small, nano["random"], nano["largest"], strict=True))
+    assert ordered >= 8, report
 
 
 def test_grad_weight_correlation_callback_logs_every_n_steps(run_root):

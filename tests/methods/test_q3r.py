@@ -288,19 +288,25 @@ def _truncation_results(config, seed, run_root):
 
 @pytest.mark.slow
 def test_must_show_mlp_digits(tmp_path):
-    """Card section 4: averaged over 2 seeds, untruncated accuracies within 1 point; at keep fraction
-    0.2 Q3R loses <= 5 points and at least 5 points less than AdamW."""
+    """Our acceptance criterion, over seeds 0-3 of configs/q3r/mlp_digits.yaml and its AdamW twin:
+    (a) Q3R's mean accuracy at keep fraction 0.2 is within 1 point of its untruncated mean;
+    (b) at keep 0.2 Q3R is above AdamW on every seed and by >= 2.5 points on the mean;
+    (c) at keep 0.1 Q3R is above AdamW by >= 4 points on the mean."""
     from tests.helpers import CONFIGS
 
-    acc = {}
-    for name in ("mlp_digits", "mlp_digits_adamw"):
-        runs = [_truncation_results(CONFIGS / "q3r" / f"{name}.yaml", seed, tmp_path) for seed in (0, 1)]
-        acc[name] = {rho: sum(r[rho] for r in runs) / len(runs) for rho in runs[0]}
-    q3r, adamw = acc["mlp_digits"], acc["mlp_digits_adamw"]
-    assert abs(q3r[1.0] - adamw[1.0]) <= 0.01
-    q3r_loss, adamw_loss = q3r[1.0] - q3r[0.2], adamw[1.0] - adamw[0.2]
-    assert q3r_loss <= 0.05
-    assert adamw_loss - q3r_loss >= 0.05, f"Q3R loses {q3r_loss:.3f}, AdamW {adamw_loss:.3f} at keep 0.2"
+    seeds = (0, 1, 2, 3)
+    runs = {name: [_truncation_results(CONFIGS / "q3r" / f"{name}.yaml", seed, tmp_path) for seed in seeds]
+            for name in ("mlp_digits", "mlp_digits_adamw")}
+    q3r, adamw = runs["mlp_digits"], runs["mlp_digits_adamw"]
+
+    def mean(rs, rho):
+        return sum(r[rho] for r in rs) / len(rs)
+
+    report = {rho: ([r[rho] for r in q3r], [r[rho] for r in adamw]) for rho in (1.0, 0.2, 0.1)}
+    assert mean(q3r, 1.0) - mean(q3r, 0.2) <= 0.01, report
+    assert all(a[0.2] > b[0.2] for a, b in zip(q3r, adamw, strict=True)), report
+    assert mean(q3r, 0.2) - mean(adamw, 0.2) >= 0.025, report
+    assert mean(q3r, 0.1) - mean(adamw, 0.1) >= 0.04, report
 
 
 def test_compare_averages_seeds(tmp_path):
