@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["check_symmetric", "max_noise_std", "smallest_eigenpairs", "spd_tail", "spectral_norm_sym", "symmetric_noise"]
+__all__ = [
+    "check_symmetric", "is_sparse", "max_noise_std", "smallest_eigenpairs", "spd_tail", "spectral_norm_sym",
+    "symmetric_noise", "to_scipy_sparse",
+]
 
 
 def check_symmetric(A: torch.Tensor, name: str = "A", rtol: float = 1e-10) -> torch.Tensor:
@@ -29,17 +33,62 @@ def check_symmetric(A: torch.Tensor, name: str = "A", rtol: float = 1e-10) -> to
     return A
 
 
-def smallest_eigenpairs(A: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def is_sparse(A: Any) -> bool:
+    """Whether ``A`` is a ``scipy.sparse`` matrix/array or a torch sparse tensor."""
+    if isinstance(A, torch.Tensor):
+        return A.layout != torch.strided
+    return type(A).__module__.startswith("scipy.sparse")
+
+
+def to_scipy_sparse(A: Any, name: str = "A") -> Any:
+    """A sparse symmetric matrix as ``scipy.sparse`` CSC float64, checked square, finite and symmetric.
+
+    Accepts ``scipy.sparse`` matrices/arrays and torch sparse tensors (COO, CSR, CSC).
+
+    Raises:
+        ValueError: naming ``name`` when it is not square, has NaN/Inf or is not symmetric.
+    """
+    import scipy.sparse as sp
+
+    if isinstance(A, torch.Tensor):
+        coo = A.to_sparse_coo().coalesce()
+        idx, vals = coo.indices().numpy(), coo.values().to(torch.float64).numpy()
+        A = sp.coo_matrix((vals, (idx[0], idx[1])), shape=tuple(coo.shape))
+    M = sp.csc_matrix(A, dtype=np.float64)
+    if M.ndim != 2 or M.shape[0] != M.shape[1]:
+        raise ValueError(f"{name} must be a square matrix, got shape {tuple(M.shape)}")
+    if not np.isfinite(M.data).all():
+        raise ValueError(f"{name} has NaN or Inf entries")
+    scale = float(np.sqrt((M.data**2).sum())) if M.nnz else 0.0
+    diff = abs(M - M.T)
+    if diff.nnz and float(diff.max()) > 1e-10 * max(scale, 1e-300):
+        raise ValueError(f"{name} must be symmetric (|{name} - {name}^T| > 1e-10 * |{name}|)")
+    return M
+
+
+def smallest_eigenpairs(A: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` eigenpairs of symmetric ``A`` with the smallest ``|lambda|`` (ascending ``|lambda|``).
 
-    Positive definite ``A`` (checked with a Cholesky factorization): LAPACK's ``dsyevr`` restricted to
-    the k smallest eigenvalues (``scipy.linalg.eigh(subset_by_index=...)``), which skips most of a full
-    ``eigh``. Indefinite ``A``: ARPACK's shift-invert Lanczos around 0 (``eigsh(sigma=0)``). Small
-    matrices use ``eigh``.
+    Dense positive definite ``A`` (checked with a Cholesky factorization): LAPACK's ``dsyevr`` restricted
+    to the k smallest eigenvalues (``scipy.linalg.eigh(subset_by_index=...)``), which skips most of a
+    full ``eigh``. Dense indefinite ``A``: ARPACK's shift-invert Lanczos around 0 (``eigsh(sigma=0)``).
+    Small dense matrices use ``eigh``. Sparse ``A`` (``scipy.sparse`` or a torch sparse tensor):
+    shift-invert Lanczos around 0 on a sparse LU factorization (SuperLU), so the cost follows the
+    factorization's fill-in, about linear in n for banded matrices such as a tridiagonal Hamiltonian.
 
     Returns:
         ``(eigvals (k,), eigvecs (n, k))`` in float64.
     """
+    if is_sparse(A):
+        from scipy.sparse.linalg import eigsh
+
+        M = to_scipy_sparse(A)
+        n = M.shape[0]
+        if not 1 <= k < n - 1:
+            raise ValueError(f"k={k}; allowed: 1 <= k < n - 1 = {n - 1} for a sparse A")
+        w, V = eigsh(M, k=k, sigma=0.0, which="LM", v0=np.ones(n))
+        order = np.argsort(np.abs(w), kind="stable")
+        return torch.from_numpy(w[order].copy()), torch.from_numpy(V[:, order].copy())
     A = check_symmetric(A)
     n = A.shape[0]
     if not 1 <= k < n:
@@ -65,7 +114,7 @@ def spectral_norm_sym(A: torch.Tensor) -> float:
     return float(torch.linalg.eigvalsh(A.to(torch.float64)).abs().max())
 
 
-def spd_tail(eigvals: torch.Tensor, p: int) -> tuple[float, float, float]:
+def spd_tail(eigvals: Any, p: int) -> tuple[float, float, float]:
     """``(l_n, l_{n-p+1}, l_{n-p})`` from any set of eigenvalues holding at least the p+1 smallest."""
     w = torch.as_tensor(eigvals, dtype=torch.float64).flatten()
     if not torch.isfinite(w).all():

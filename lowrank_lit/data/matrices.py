@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from lowrank_lit.linalg import max_noise_std, symmetric_noise
+from lowrank_lit.linalg import is_sparse, max_noise_std, symmetric_noise, to_scipy_sparse
 
 __all__ = ["MatrixDataModule", "REAL_MATRICES", "SYNTHETIC_SPECTRA", "build_matrix", "tail_rule_p"]
 
@@ -39,6 +39,21 @@ def _hamiltonian(n: int = 400) -> torch.Tensor:
     H = (2 * torch.eye(n, dtype=D) - torch.diag(torch.ones(n - 1, dtype=D), 1) - torch.diag(torch.ones(n - 1, dtype=D), -1)) / h**2
     H = H + torch.diag(50 * (x - 0.5) ** 2 + 1)
     return H / torch.linalg.matrix_norm(H, ord=2)
+
+
+def hamiltonian_sparse(n: int) -> Any:
+    """The same 1-D Hamiltonian as the bundled ``hamiltonian`` matrix, unscaled, as a sparse tridiagonal
+    ``scipy.sparse`` CSC matrix (``-Laplacian_h + 50 (x - 1/2)^2 + 1``): sizes far beyond a dense ``eigh``."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 3:
+        raise ValueError(f"hamiltonian_sparse: n={n!r}; allowed: an integer >= 3")
+    h = 1.0 / (n + 1)
+    x = np.arange(1, n + 1) * h
+    main = 2.0 / h**2 + 50.0 * (x - 0.5) ** 2 + 1.0
+    off = -np.ones(n - 1) / h**2
+    return sp.diags([off, main, off], [-1, 0, 1], format="csc")
 
 
 def _synthetic(kind: str, n: int, seed: int) -> torch.Tensor:
@@ -77,7 +92,9 @@ def build_matrix(name: str, n_synthetic: int = 200, seed: int = 0) -> torch.Tens
     raise ValueError(f"matrix {name!r}; allowed: {', '.join(REAL_MATRICES + SYNTHETIC_SPECTRA)} or a .npy/.mtx file")
 
 
-def _load_file(path: str) -> torch.Tensor:
+def _load_file(path: str) -> Any:
+    """A user's matrix: ``.npy`` (dense), ``.npz`` (``scipy.sparse.save_npz``, kept sparse) or Matrix Market
+    ``.mtx`` (kept sparse when stored sparse)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"matrix_files: {path!r} does not exist")
@@ -85,12 +102,17 @@ def _load_file(path: str) -> torch.Tensor:
         import numpy as np
 
         return torch.as_tensor(np.load(p), dtype=D)
+    if p.suffix == ".npz":
+        import scipy.sparse as sp
+
+        return sp.load_npz(p).tocsc().astype("float64")
     if p.suffix == ".mtx":
+        import scipy.sparse as sp
         from scipy.io import mmread
 
         M = mmread(str(p))
-        return torch.as_tensor(M.toarray() if hasattr(M, "toarray") else M, dtype=D)
-    raise ValueError(f"matrix_files: {path!r}; allowed: .npy or .mtx files")
+        return M.tocsc().astype("float64") if sp.issparse(M) else torch.as_tensor(M, dtype=D)
+    raise ValueError(f"matrix_files: {path!r}; allowed: .npy, .npz (scipy sparse) or .mtx files")
 
 
 def tail_rule_p(eigvals: torch.Tensor, tail: float = 0.05) -> int:
@@ -108,12 +130,17 @@ def tail_rule_p(eigvals: torch.Tensor, tail: float = 0.05) -> int:
     return len(w) - 1
 
 
+#: largest sparse matrix the study densifies (a dense n x n eigendecomposition per case)
+MAX_DENSE_STUDY = 20000
+
+
 class MatrixDataModule(pl.LightningDataModule):
     """Cases ``{name, A, eigvals, E, p, noise_multiple, draw}`` for :class:`~lowrank_lit.methods.pinv_bounds.PinvBoundStudy`.
 
     Args:
         matrices: names from :data:`REAL_MATRICES` and :data:`SYNTHETIC_SPECTRA`. Default: the four real ones.
-        matrix_files: your own symmetric positive definite matrices (``.npy`` or ``.mtx``). Default: [].
+        matrix_files: your own symmetric positive definite matrices (``.npy``; ``.npz`` from ``scipy.sparse.save_npz``
+            or Matrix Market ``.mtx``, read as sparse). Default: [].
         p: rank of the inverse approximation for every matrix; None: the card's p for the bundled real
             matrices, else the 5% tail rule (:func:`tail_rule_p`). Default: None.
         noise_multiples: noise std as multiples of ``max_noise_std`` (the gap-condition limit). Default: [1, 1/8, 1/64].
@@ -154,6 +181,15 @@ class MatrixDataModule(pl.LightningDataModule):
         named += [(Path(f).stem, _load_file(f)) for f in self.matrix_files]
         g = torch.Generator().manual_seed(self.seed)
         for name, A in named:
+            if is_sparse(A):
+                # the study measures the actual error with dense eigendecompositions of A and A + E
+                if A.shape[0] > MAX_DENSE_STUDY:
+                    raise ValueError(
+                        f"MatrixDataModule: {name} is {A.shape[0]} x {A.shape[0]}; the study (actual error vs bounds) "
+                        f"needs dense eigendecompositions, allowed up to n = {MAX_DENSE_STUDY}; for the bounds alone call "
+                        "lowrank_lit.methods.pinv_bounds.contour_bound(A, E_norm, p) on the sparse matrix"
+                    )
+                A = torch.as_tensor(to_scipy_sparse(A, name).toarray(), dtype=D)
             w = torch.linalg.eigvalsh(A)
             p = self.p or CARD_P.get(name) or SYNTHETIC_P.get(name)
             if p is None:

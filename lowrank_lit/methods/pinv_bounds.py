@@ -24,11 +24,20 @@ Indefinite ``A`` (the paper's Theorem 4.1 setting): :func:`best_rank_p_inverse` 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from lowrank_lit.linalg import check_symmetric, max_noise_std, spd_tail, spectral_norm_sym, symmetric_noise
+from lowrank_lit.linalg import (
+    check_symmetric,
+    is_sparse,
+    max_noise_std,
+    smallest_eigenpairs,
+    spd_tail,
+    spectral_norm_sym,
+    symmetric_noise,
+)
 from lowrank_lit.registry import register_method
 
 __all__ = [
@@ -84,19 +93,29 @@ def lowrank_inverse_error(A: torch.Tensor, E: torch.Tensor, p: int) -> float:
     return spectral_norm_sym(best_rank_p_inverse(A + E, p) - best_rank_p_inverse(A, p))
 
 
+def _smallest(eigvals: Any, p: int) -> Any:
+    """Eigenvalues as given, or the p+1 smallest of a matrix (dense 2-D or sparse) via shift-invert Lanczos."""
+    if is_sparse(eigvals) or (isinstance(eigvals, torch.Tensor) and eigvals.ndim == 2):
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"p={p!r}; allowed: an integer >= 1 (the bounds need lambda_(n-p))")
+        return smallest_eigenpairs(eigvals, p + 1)[0]
+    return eigvals
+
+
 def gap_condition_holds(eigvals: torch.Tensor, E_norm: float, p: int) -> bool:
     """``4 ||E|| <= min(lambda_n, delta_{n-p})``."""
     if not E_norm >= 0:
         raise ValueError(f"E_norm={E_norm!r}; allowed: a number >= 0")
-    ln, lkept, lcut = spd_tail(eigvals, p)
+    ln, lkept, lcut = spd_tail(_smallest(eigvals, p), p)
     return 4.0 * E_norm <= min(ln, lcut - lkept)
 
 
-def contour_bound(eigvals: torch.Tensor, E_norm: float, p: int) -> float:
+def contour_bound(eigvals: Any, E_norm: float, p: int) -> float:
     """Theorem 2.1: ``4||E||/l_n^2 + 5||E||/(l_{n-p} delta_{n-p})``.
 
     Args:
-        eigvals: eigenvalues of A (all, or at least the p+1 smallest).
+        eigvals: eigenvalues of A (all, or at least the p+1 smallest), or A itself (dense, ``scipy.sparse`` or a
+            torch sparse tensor: its p+1 smallest eigenvalues come from shift-invert Lanczos).
         E_norm: spectral norm of the perturbation.
         p: rank of the inverse approximation, 1 <= p < n.
 
@@ -104,6 +123,7 @@ def contour_bound(eigvals: torch.Tensor, E_norm: float, p: int) -> float:
         ValueError: the gap condition fails (the bound does not apply), delta_{n-p} = 0 (rank-p
             inverse not unique), A not positive definite, or bad p / E_norm.
     """
+    eigvals = _smallest(eigvals, p)
     ln, lkept, lcut = spd_tail(eigvals, p)
     delta = lcut - lkept
     if delta <= 0:
@@ -123,7 +143,7 @@ def eym_neumann_bound(eigvals: torch.Tensor, E_norm: float, p: int) -> float:
     """
     if not E_norm >= 0:
         raise ValueError(f"E_norm={E_norm!r}; allowed: a number >= 0")
-    ln, _, lcut = spd_tail(eigvals, p)
+    ln, _, lcut = spd_tail(_smallest(eigvals, p), p)
     if E_norm >= ln:
         return math.inf
     return E_norm / (ln * (ln - E_norm)) + 1.0 / (lcut - E_norm) + 1.0 / lcut

@@ -335,18 +335,18 @@ def test_tta_needs_gradients_in_test(source_ckpt, run_root):
 
 # -- must show (card section 4) ---------------------------------------------------------------------
 
-def _stream_run(method, ckpt, recurrences=6):
+def _stream_run(method, ckpt, recurrences=6, seed=0):
     import lightning.pytorch as pl
 
     from lowrank_lit.data.corruptions import DigitsCorruptionDataModule
     from lowrank_lit.tta import TTAModule
 
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(seed, verbose=False)
     module = TTAModule(GroupNormCNN(widths=[32, 32, 32]), method, source_ckpt=str(ckpt))
     trainer = quiet_trainer(inference_mode=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.test(module, DigitsCorruptionDataModule(recurrences=recurrences), verbose=False)
+        trainer.test(module, DigitsCorruptionDataModule(recurrences=recurrences, stream_seed=seed), verbose=False)
     return module
 
 
@@ -366,23 +366,35 @@ def _spike(rows):
 
 @pytest.mark.slow
 def test_must_show_recurring_corruptions(tmp_path):
+    """Our acceptance criterion over seeds 0-3 (source CNN trained and stream drawn with each seed):
+    the reservoir holds exactly 7 models on >= 3 of 4 seeds and never more than 9; purity >= 0.95 on
+    every seed; Tent + Reservoir's mean error over recurrences 3-6 is >= 8 points below Tent's on the
+    mean over the seeds and not above Tent's on any seed; EATA + Reservoir <= EATA + 1 point and no
+    re-entry spike (seed 0)."""
     from tests.helpers import CONFIGS, run_cli
 
-    assert run_cli("fit", "--config", CONFIGS / "reservoir_tta" / "source_cnn_digits.yaml", run_root=tmp_path) == 0
-    ckpt = tmp_path / "reservoir_tta" / "source_cnn_digits" / "source" / "checkpoints" / "last.ckpt"
-    tent = _stream_run(Tent(), ckpt)
-    tent_res = _stream_run(ReservoirTTA(Tent(), ["blocks.0.0", "blocks.1.0"]), ckpt)
-    eata = _stream_run(EATA(), ckpt)
-    eata_res = _stream_run(ReservoirTTA(EATA(), ["blocks.0.0", "blocks.1.0"]), ckpt)
-    report = {n: m.per_recurrence for n, m in (("tent", tent), ("tent+res", tent_res), ("eata", eata), ("eata+res", eata_res))}
-    clusters = [r["cluster"] for r in tent_res.rows]
-    assert tent_res.method.num_models == 7, report
-    assert purity(clusters, [r["domain"] for r in tent_res.rows]) >= 0.95
-    for k in range(2, 6):  # recurrence 3 on
-        assert tent_res.per_recurrence[k] <= tent.per_recurrence[k] - 0.08, report
-    assert eata_res.per_recurrence[5] <= eata.per_recurrence[5] + 0.01, report
-    assert _spike(eata_res.rows) <= 0.02, (report, _spike(eata_res.rows), _spike(eata.rows))
-    assert not math.isnan(_spike(eata.rows))
+    gaps, models, report = [], [], {}
+    for seed in range(4):
+        assert run_cli("fit", "--config", CONFIGS / "reservoir_tta" / "source_cnn_digits.yaml",
+                       f"--seed_everything={seed}", f"--run_id=source_s{seed}", run_root=tmp_path) == 0
+        ckpt = tmp_path / "reservoir_tta" / "source_cnn_digits" / f"source_s{seed}" / "checkpoints" / "last.ckpt"
+        tent = _stream_run(Tent(), ckpt, seed=seed)
+        tent_res = _stream_run(ReservoirTTA(Tent(), ["blocks.0.0", "blocks.1.0"]), ckpt, seed=seed)
+        late = [sum(m.per_recurrence[k] for k in range(2, 6)) / 4 for m in (tent, tent_res)]
+        gaps.append(late[0] - late[1])
+        models.append(tent_res.method.num_models)
+        clusters = [r["cluster"] for r in tent_res.rows]
+        report[seed] = {"tent": tent.per_recurrence, "tent+res": tent_res.per_recurrence, "models": models[-1]}
+        assert purity(clusters, [r["domain"] for r in tent_res.rows]) >= 0.95, report
+        assert gaps[-1] >= 0.0, report  # never worse than Tent on recurrences 3-6
+        if seed == 0:
+            eata = _stream_run(EATA(), ckpt)
+            eata_res = _stream_run(ReservoirTTA(EATA(), ["blocks.0.0", "blocks.1.0"]), ckpt)
+            assert eata_res.per_recurrence[5] <= eata.per_recurrence[5] + 0.01, report
+            assert _spike(eata_res.rows) <= 0.02, (report, _spike(eata_res.rows), _spike(eata.rows))
+            assert not math.isnan(_spike(eata.rows))
+    assert sum(m == 7 for m in models) >= 3 and max(models) <= 9, (models, report)
+    assert sum(gaps) / len(gaps) >= 0.08, (gaps, report)
 
 
 def test_cifar10c_stream_from_files(tmp_path):
