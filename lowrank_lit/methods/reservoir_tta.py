@@ -278,7 +278,9 @@ class ReservoirTTA(TTAWrapper):
 
     def ensemble(self, q: torch.Tensor) -> list[torch.Tensor]:
         """``theta_ens = sum_k q_k theta_k``."""
-        return [sum(float(q[k]) * self.copies[k]["params"][i] for k in range(len(self.copies))) for i in range(len(self.params))]
+        weights = q.tolist()  # one conversion, not one per (copy, parameter)
+        return [sum(w * copy_["params"][i] for w, copy_ in zip(weights, self.copies, strict=True))
+                for i in range(len(self.params))]
 
     # -- one batch ---------------------------------------------------------------------------------
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
