@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -101,3 +103,14 @@ class RecordingLogger(Logger):
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         pass
+
+
+class SlowBatches(Callback):
+    """Sleeps ``seconds`` after every training batch: subprocess tests that signal a run at a given batch
+    then stop it there even on a busy machine."""
+
+    def __init__(self, seconds: float = 0.02) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        time.sleep(self.seconds)

@@ -36,6 +36,13 @@ def _step_lines(tmp_path: Path) -> Path:
     return frag
 
 
+def _slow_batches(tmp_path: Path) -> Path:
+    """20 ms per batch, so the signal sent at a batch line lands within a few batches on a busy machine."""
+    frag = tmp_path / "slow.yaml"
+    frag.write_text("trainer:\n  callbacks+:\n    - class_path: tests.helpers.SlowBatches\n")
+    return frag
+
+
 def _lowrank(args: list[str], run_root: Path, signal_at: str | None = None, sig: int = signal.SIGINT):
     """Run ``lowrank`` as a subprocess; send ``sig`` when a stdout line starts with ``signal_at``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
@@ -78,7 +85,7 @@ def reference(tmp_path_factory):
 def test_interrupted_run_resumes_to_the_uninterrupted_result(sig, tmp_path, reference):
     ref_state, ref_acc = reference
     frag = _step_lines(tmp_path)
-    args = ["fit", "--config", str(MLP_CONFIG), "--config", str(frag), *EPOCHS]
+    args = ["fit", "--config", str(MLP_CONFIG), "--config", str(frag), "--config", str(_slow_batches(tmp_path)), *EPOCHS]
     # stop in the middle of epoch 2 (20 batches per epoch): the batch in flight finishes, then last.ckpt is written
     rc, out, err = _lowrank(args, tmp_path / "runs", signal_at="epoch 2/5  batch 7/20", sig=sig)
     name = signal.Signals(sig).name
