@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lowrank_lit.launch.checks import (
+    LIGHTNING_COMMANDS,
     ConfigError,
     config_files,
     interrupted_message,
@@ -36,8 +37,6 @@ from lowrank_lit.launch.checks import (
 
 __all__ = ["main", "methods_markdown", "method_pages_markdown", "COMMANDS", "LIGHTNING_COMMANDS"]
 
-#: the subcommands LightningCLI provides (:data:`lowrank_lit.launch.lightning_cli.LIGHTNING_COMMANDS`)
-LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 _TOP_HELP = """\
 usage: lowrank <command> [options]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -76,18 +76,26 @@ def register_method(slug: str, kind: str, paper: str) -> Callable[[T], T]:
         raise ValueError(f"register_method: kind={kind!r} is not one of {', '.join(KINDS)}")
 
     def decorator(obj: T) -> T:
-        target = f"{obj.__module__}.{obj.__qualname__}"
-        old = _REGISTRY.get(slug)
-        if old is not None and old.target != target:
-            if old.kind == kind and old.paper == paper:
-                # a second component of the same method (e.g. a loss and its module)
-                _REGISTRY[slug] = MethodInfo(slug, kind, paper, old.target, (*old.components, target))
-                return obj
-            raise ValueError(f"register_method: slug {slug!r} is already registered to {old.target}")
-        _REGISTRY[slug] = MethodInfo(slug, kind, paper, target)
+        _record(_REGISTRY, slug, kind, paper, f"{obj.__module__}.{obj.__qualname__}")
         return obj
 
     return decorator
+
+
+def _record(table: dict[str, MethodInfo], slug: str, kind: str, paper: str, target: str) -> None:
+    """Enter one registration into ``table``: a new slug, or a further component of the same method.
+
+    Raises:
+        ValueError: ``slug`` is already registered to another object with a different kind or paper.
+    """
+    old = table.get(slug)
+    if old is None:
+        table[slug] = MethodInfo(slug, kind, paper, target)
+    elif target not in (old.target, *old.components):
+        if old.kind != kind or old.paper != paper:
+            raise ValueError(f"register_method: slug {slug!r} is already registered to {old.target}")
+        # a second component of the same method (e.g. a loss and its module)
+        table[slug] = MethodInfo(slug, kind, paper, old.target, (*old.components, target))
 
 
 def project_root() -> Path:
@@ -96,9 +104,20 @@ def project_root() -> Path:
     return here if (here / "configs").is_dir() else Path.cwd()
 
 
-def load_all() -> None:
-    """Import every module that registers a method (found by :func:`scan_methods`), so their decorators run."""
-    for module in sorted({info.target.rpartition(".")[0] for info in scan_methods()}):
+def load_all(slugs: Iterable[str] | None = None) -> None:
+    """Import every module that registers a method (found by :func:`scan_methods`), so their decorators run.
+
+    Args:
+        slugs: import only the modules of these methods (all of a method's components). Default: all.
+    """
+    wanted = None if slugs is None else set(slugs)
+    modules = {
+        target.rpartition(".")[0]
+        for info in scan_methods()
+        if wanted is None or info.slug in wanted
+        for target in (info.target, *info.components)
+    }
+    for module in sorted(modules):
         importlib.import_module(module)
 
 
@@ -165,11 +184,5 @@ def scan_methods(package_dir: Path | None = None) -> list[MethodInfo]:
                 reg = _decorator_registration(dec, constants)
                 if reg is None:
                     continue
-                slug, kind, paper = reg
-                target = f"{module}.{node.name}"
-                old = found.get(slug)
-                if old is None:
-                    found[slug] = MethodInfo(slug, kind, paper, target)
-                elif old.target != target:
-                    found[slug] = MethodInfo(slug, kind, paper, old.target, (*old.components, target))
+                _record(found, *reg, f"{module}.{node.name}")
     return [found[k] for k in sorted(found)]

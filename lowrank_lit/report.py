@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -141,11 +142,17 @@ class Summary:
 _SUMMARIES: dict[str, Summary] = {}
 
 
-def register_summary(slug: str, help: str = "", **options: Any) -> Callable[[Callable[..., str]], Callable[..., str]]:
-    """Decorator: register ``fn(roots, out=None, **options) -> str`` as the summary of method ``slug``."""
+def register_summary(slug: str, help: str = "") -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """Decorator: register ``fn(roots, out=None, **options) -> str`` as the summary of method ``slug``.
+
+    The options of ``lowrank summarize <slug>`` are ``fn``'s keyword arguments after ``roots`` and
+    ``out``, with their defaults.
+    """
 
     def decorator(fn: Callable[..., str]) -> Callable[..., str]:
-        _SUMMARIES[slug] = Summary(slug, fn, dict(options), help or (fn.__doc__ or "").strip().splitlines()[0])
+        params = list(inspect.signature(fn).parameters.values())[2:]
+        options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        _SUMMARIES[slug] = Summary(slug, fn, options, help or (fn.__doc__ or "").strip().splitlines()[0])
         return fn
 
     return decorator
@@ -157,17 +164,13 @@ def get_summary(slug: str) -> Summary:
     Raises:
         KeyError: no method ``slug``, or the method registers no summary (both name the ones that do).
     """
-    import importlib
-
     from lowrank_lit import registry
 
-    methods = {m.slug: m for m in registry.scan_methods()}
+    methods = {m.slug for m in registry.scan_methods()}
     if slug in methods and slug not in _SUMMARIES:
-        for target in (methods[slug].target, *methods[slug].components):
-            importlib.import_module(target.rpartition(".")[0])
+        registry.load_all([slug])
     if slug not in _SUMMARIES:
-        for info in methods.values():  # the list in the error needs every summary registered
-            importlib.import_module(info.target.rpartition(".")[0])
+        registry.load_all()  # the list in the error needs every summary registered
         known = ", ".join(sorted(_SUMMARIES)) or "(none)"
         what = "is not a registered method" if slug not in methods else "registers no summary"
         raise KeyError(f"{slug!r} {what}; methods with a summary: {known}")

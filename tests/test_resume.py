@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 from lowrank_lit.callbacks import ResumeCheckpoint
 from lowrank_lit.data.loader import ResumableDataLoader
-from tests.helpers import MLP_CONFIG, ROOT, quiet_trainer, run_cli
+from tests.helpers import MLP_CONFIG, ROOT, quiet_trainer, run_cli, run_dirs
 
 EPOCHS = ["--trainer.max_epochs=5"]
 
@@ -63,9 +63,9 @@ def _lowrank(args: list[str], run_root: Path, signal_at: str | None = None, sig:
 
 
 def _only_run(folder: Path) -> Path:
-    runs = [p for p in folder.rglob("config.yaml") if "wandb" not in p.parts]
+    runs = run_dirs(folder)
     assert len(runs) == 1, runs
-    return runs[0].parent
+    return runs[0]
 
 
 def _state(run: Path) -> dict:

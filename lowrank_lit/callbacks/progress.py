@@ -74,6 +74,7 @@ class LogProgress(ProgressBar):
         self._start = 0.0
         self._last_line = 0.0
         self._start_step = 0
+        self._start_epoch = 0
 
     # ProgressBar interface
     def disable(self) -> None:
@@ -103,9 +104,8 @@ class LogProgress(ProgressBar):
             total = self.total_train_batches
             within = (trainer.fit_loop.epoch_loop.batch_progress.current.completed / total) if isinstance(total, int) and total > 0 and not epoch_done else 0.0
             done = trainer.current_epoch + (1.0 if epoch_done else within)
-            start_epoch = getattr(self, "_start_epoch", 0)
-            if trainer.max_epochs > start_epoch:
-                fractions.append((done - start_epoch) / (trainer.max_epochs - start_epoch))
+            if trainer.max_epochs > self._start_epoch:
+                fractions.append((done - self._start_epoch) / (trainer.max_epochs - self._start_epoch))
         fraction = max(fractions) if fractions else 0.0
         left = f"  left ~{_duration(elapsed * (1 - fraction) / fraction)}" if 0 < fraction < 1 else ""
         return f"elapsed {_duration(elapsed)}{left}"

@@ -24,10 +24,14 @@ from typing import Any
 from urllib.parse import urlparse
 
 __all__ = [
-    "ConfigError", "KNOWN_NOISE", "check_input_files", "config_files", "experiment_from_configs", "first_line",
+    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "check_input_files", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "prerequisite_command", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed",
 ]
+
+
+#: the subcommands LightningCLI provides
+LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 
 # --------------------------------------------------------------------------- W&B helpers
@@ -114,19 +118,15 @@ def check_input_files(cfg: Any) -> None:
         ConfigError: naming the key, the missing file and, when a config says so in a ``# First:`` line,
             the command that makes it.
     """
-    missing = []
     for key, value in cfg.items():
         if not isinstance(value, str) or not _INPUT_KEY_RE.search(key) or "://" in value:
             continue
         if key == "ckpt_path" and value in _CKPT_KEYWORDS:
             continue
         if not Path(value).exists():
-            missing.append((key, value))
-    if missing:
-        key, value = missing[0]
-        first = prerequisite_command(cfg.get("config"))
-        hint = f"; make it first with: {first}" if first else "; train that model first or fix the path"
-        raise ConfigError(f"{key}={value!r} does not exist{hint}")
+            first = prerequisite_command(cfg.get("config"))
+            hint = f"; make it first with: {first}" if first else "; train that model first or fix the path"
+            raise ConfigError(f"{key}={value!r} does not exist{hint}")
 
 
 def first_line(exc: BaseException) -> str:
@@ -166,8 +166,6 @@ _CLASS_RE = re.compile(r"Problem with given class_path '([^']+)'")
 _OPTION_RE = re.compile(r"Option '([^']+)' is not accepted")
 _EXPECTED_RE = re.compile(r"Expected an? <class '([^']+)'>")
 _GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
-
-
 _UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
 _IMPORT_FAIL_RE = re.compile(r"No module named|has no attribute|cannot import|Import path|not a (class|subclass)|does not exist")
 
@@ -177,9 +175,10 @@ def _option_names(parser: Any) -> list[str]:
     return [s for action in getattr(parser, "_actions", []) for s in action.option_strings if s.startswith("--")]
 
 
-def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {match[0]}?" if match else ""
+def closest(name: str, candidates: Sequence[str], cutoff: float = 0.6) -> str | None:
+    """The candidate most similar to ``name`` (difflib ratio >= ``cutoff``), else None: for "did you mean" hints."""
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=cutoff)
+    return match[0] if match else None
 
 
 def _init_arg_names(class_path: str) -> list[str]:
@@ -208,8 +207,8 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
         return type(exc).__name__
     if m := _UNRECOGNIZED_RE.search(lines[0]):
         name = m.group(1).split("=", 1)[0]
-        hint = _did_you_mean(name, _option_names(parser)) if parser is not None else ""
-        return f"unknown key {name.lstrip('-')!r}" + (hint or "; `--help` lists the keys")
+        match = closest(name, _option_names(parser)) if parser is not None else None
+        return f"unknown key {name.lstrip('-')!r}" + (f"; did you mean {match}?" if match else "; `--help` lists the keys")
     if lines[0].startswith('Parser key "config"') and len(lines) > 1:
         return f"--config: {lines[1]}"
     key_parts: list[str] = []
@@ -226,10 +225,8 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
         if m := _OPTION_RE.search(ln):
             key = ".init_args.".join([*key_parts, m.group(1)])
             owner = f" (not an argument of {cls})" if cls else ""
-            names = _init_arg_names(cls) if cls else []
-            hint = _did_you_mean(m.group(1), names)
-            if hint:
-                hint = f"; did you mean --{key.rsplit('.', 1)[0]}.{hint.split('mean ', 1)[1]}"
+            match = closest(m.group(1), _init_arg_names(cls)) if cls else None
+            hint = f"; did you mean --{key.rsplit('.', 1)[0]}.{match}?" if match else ""
             return f"unknown key {key!r}{owner}{hint}"
     if key_parts and (m := _EXPECTED_RE.search(text)):
         got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)

@@ -22,6 +22,7 @@ from lowrank_lit.callbacks.config import RunConfigCallback
 from lowrank_lit.callbacks.resume import ResumeCheckpoint
 from lowrank_lit.callbacks.rng import RNGStateCheckpoint
 from lowrank_lit.launch.checks import (
+    LIGHTNING_COMMANDS,
     ConfigError,
     check_input_files,
     experiment_from_configs,
@@ -34,10 +35,7 @@ from lowrank_lit.launch.checks import (
 )
 from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir, slurm_run_id
 
-__all__ = ["LowrankCLI", "build_parser", "LIGHTNING_COMMANDS"]
-
-#: the subcommands LightningCLI provides
-LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+__all__ = ["LowrankCLI", "build_parser"]
 
 quiet_known_noise()
 

@@ -218,7 +218,7 @@ def static_check(spec: SweepSpec) -> list[str]:
     Raises:
         SweepError: a missing config file, an unknown top-level key, a near-miss of a configured key.
     """
-    import difflib
+    from lowrank_lit.launch.checks import closest
 
     files = [spec.fit_args[i + 1] for i, a in enumerate(spec.fit_args[:-1]) if a in ("--config", "-c")]
     composed: dict[str, Any] = {}
@@ -230,8 +230,8 @@ def static_check(spec: SweepSpec) -> list[str]:
     for key in spec.parameters:
         parts = key.split(".")
         if parts[0] not in TOP_LEVEL_KEYS:
-            close = difflib.get_close_matches(parts[0], TOP_LEVEL_KEYS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; allowed: {', '.join(TOP_LEVEL_KEYS)}"
+            match = closest(parts[0], TOP_LEVEL_KEYS)
+            hint = f"; did you mean {match}?" if match else f"; allowed: {', '.join(TOP_LEVEL_KEYS)}"
             raise _fail(spec.path, f"parameters.{key}: {parts[0]!r} is not a lowrank fit key{hint}")
         node: Any = composed
         for depth, part in enumerate(parts):
@@ -241,10 +241,10 @@ def static_check(spec: SweepSpec) -> list[str]:
                 node = node[part]
                 continue
             known = [k for k in node if isinstance(k, str)] if isinstance(node, dict) else []
-            close = difflib.get_close_matches(part, known, n=1, cutoff=0.8)
+            match = closest(part, known, cutoff=0.8)
             where = ".".join(parts[:depth]) or "(top level)"
-            if close:
-                raise _fail(spec.path, f"parameters.{key}: {part!r} is not set under {where}; did you mean {close[0]!r}?")
+            if match:
+                raise _fail(spec.path, f"parameters.{key}: {part!r} is not set under {where}; did you mean {match!r}?")
             notes.append(f"{key}: not set in {', '.join(files)} (a default); the parser checks it when the sweep starts")
             break
     return notes

@@ -175,9 +175,7 @@ def decode_groups(G: torch.Tensor, codes: torch.Tensor, mu: torch.Tensor, scale:
     mu = mu.to(G.dtype).view(n_groups, 1, 1)
     companded = mu > 0
     if bool(companded.any()):
-        safe = torch.where(companded, mu, torch.ones_like(mu))
-        inv = torch.sign(V) * torch.expm1(V.abs() * torch.log1p(safe)) / safe
-        V = torch.where(companded, inv, V)
+        V = torch.where(companded, mulaw_inv(V, torch.where(companded, mu, torch.ones_like(mu))), V)
     V = V * scale.to(G.dtype).view(n_groups, 1, 1)
     # vector l = r * (group_size / d) + j holds row r, columns j*d .. j*d + d - 1 of its group, so
     # W[r, g*group_size + j*d + k] = V[g, k, l]: one strided copy puts every group in place

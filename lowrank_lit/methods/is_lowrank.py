@@ -37,7 +37,7 @@ import torch
 
 from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import class_label, markdown_table, new_figure, register_summary, save_figure
 
 __all__ = [
     "LowRankAdam",
@@ -289,7 +289,7 @@ def _run_summary(run_dir: str) -> dict[str, Any]:
 
     cfg = read_config(run_dir)
     opt = cfg["model"]["init_args"]["optimizer"]
-    name = opt["class_path"].rsplit(".", 1)[-1]
+    name = class_label(opt)
     if name == "LowRankAdam":
         name = {"dominant": "GaLore (dominant)", "importance": "importance"}[opt["init_args"].get("selector", "importance")]
     with open(os.path.join(run_dir, "subspace.csv")) as f:

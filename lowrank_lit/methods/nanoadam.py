@@ -41,7 +41,7 @@ from torch import nn
 
 from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import class_label, markdown_table, new_figure, register_summary, save_figure
 
 __all__ = ["NanoAdam", "bottom_k_mask", "select_indices", "kept_count", "grad_weight_correlation", "GradWeightCorrelation"]
 
@@ -326,7 +326,7 @@ def _run_rows(run_dirs: list[str]) -> list[dict[str, Any]]:
     for d in run_dirs:
         cfg = read_config(d)
         opt = cfg["model"]["init_args"]["optimizer"]
-        name = opt["class_path"].rsplit(".", 1)[-1]
+        name = class_label(opt)
         if name == "NanoAdam":
             name = f"NanoAdam ({opt['init_args'].get('selector', 'smallest')})"
         row: dict[str, Any] = {"optimizer": name, "lr": opt["init_args"].get("lr"), "seed": cfg.get("seed_everything")}

@@ -418,7 +418,7 @@ def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman")
     return markdown_table(["loss", *(h for s in settings for h in (f"{s}: mean", f"{s}: per seed"))], table)
 
 
-@register_summary("strank", metric="test/spearman")
+@register_summary("strank")
 def summary(roots: Sequence[str], out: str | None = None, metric: str = "test/spearman") -> str:
     """STRank / baseline runs: the metric per loss, setting and seed (--out: the predicted curves)."""
     from lowrank_lit.report import find_runs
