@@ -180,7 +180,22 @@ def main(args: Sequence[str] | None = None) -> int:
             print(interrupted_message(argv, run_dir, exc), file=sys.stderr, flush=True)
         code = exc.code if isinstance(exc.code, int) and exc.code else 128 + int(signal.SIGTERM)
         return code
+    _close_process_group()
     run_dir = cli_class.last_run_dir
     if run_dir is not None and is_rank_zero():
         print(f"run {run_dir.experiment}/{run_dir.run_id} finished: {run_dir.path}", flush=True)
     return 0
+
+
+def _close_process_group() -> None:
+    """Destroy the default process group after a finished multi-process run.
+
+    Left to interpreter shutdown, gloo's worker threads can be torn down while still joinable and the
+    process aborts ("terminate called without an active exception", exit -6) after a successful run.
+    Called only on success: after a failure another rank may still wait in a collective.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
