@@ -307,7 +307,7 @@ def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
 
 
 class PromptTunedClassifier(pl.LightningModule):
-    """Frozen text encoder + one prompt method + a masked-mean-pool linear head.
+    """Frozen text encoder + one prompt method + a masked-mean-pool linear head (zero-initialised).
 
     Batches are ``(input_ids, attention_mask, label, domain)`` (see
     :class:`lowrank_lit.data.text_tasks.TemplatedTextDataModule`). Logs ``train/loss``, ``{val,test}/acc``,
@@ -364,6 +364,8 @@ class PromptTunedClassifier(pl.LightningModule):
         if prompt is not None and _has_init_text(prompt):
             prompt.initialize(self.encoder.embed_text(load_tokenizer(backbone)))
         self.head = nn.Linear(self.encoder.hidden_size, num_classes)
+        nn.init.zeros_(self.head.weight)  # the same head start for every prompt method (and no init noise)
+        nn.init.zeros_(self.head.bias)
         self.lr_prompt, self.lr_head, self.weight_decay = lr_prompt, lr_head, weight_decay
         self.backbone_dropout, self.measure_attention = backbone_dropout, measure_attention
         self.domain_names = domain_names
@@ -395,6 +397,12 @@ class PromptTunedClassifier(pl.LightningModule):
     # -- loops --------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         counts = self.parameter_counts()
+        from lightning.pytorch.utilities import rank_zero_info
+
+        name = "head only" if self.prompt is None else type(self.prompt).__name__
+        formula = "" if self.prompt is None else f" (formula: {self.prompt.expected_count():,})"
+        rank_zero_info(f"trainable parameters: prompt {name} {counts['prompt']:,}{formula}, head {counts['head']:,}, "
+                       f"backbone {counts['backbone']:,}" + ("" if self.pretrained else " [no-pretraining: random-init backbone]"))
         if self.logger is not None:
             self.logger.log_metrics({f"params/{k}": float(v) for k, v in counts.items()}
                                     | {"params/pretrained": float(self.pretrained)}, step=0)

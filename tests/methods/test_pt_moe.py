@@ -363,3 +363,26 @@ def test_must_show_ptmoe_vs_pt_and_dpt(tmp_path):
         assert mean["ptmoe"] >= mean[base] - std[base], (mean, std)
     assert min(r["test/routing_purity"] for r in results["ptmoe"]) > 0.8
     assert abs(mean["ptmoe_n1"] - mean["dpt"]) <= max(std["dpt"], std["ptmoe_n1"]), (mean, std)
+
+
+def test_user_text_files_and_qa_encoding(tmp_path):
+    from lowrank_lit.data.text_tasks import QADataModule, TextClassificationDataModule
+
+    (tmp_path / "train.csv").write_text("text,label,domain\ngood movie,pos,reviews\nbad movie,neg,reviews\nrice,pos,food\n")
+    (tmp_path / "train.jsonl").write_text('{"text": "fine", "label": "neg"}\n')
+    dm = TextClassificationDataModule(str(tmp_path / "train.csv"), val_path=str(tmp_path / "train.csv"), max_length=8)
+    dm.setup()
+    ids, mask, y, d = dm._splits["train"].tensors
+    assert ids.shape == (3, 8) and y.tolist() == [1, 0, 1] and d.tolist() == [1, 1, 0]
+    assert dm.domain_names == ["food", "reviews"]
+    with pytest.raises(ValueError, match="no field 'y'"):
+        TextClassificationDataModule(str(tmp_path / "train.csv"), label_field="y").setup()
+    with pytest.raises(FileNotFoundError, match="missing.csv"):
+        TextClassificationDataModule(str(tmp_path / "missing.csv")).setup()
+
+    tok = load_tokenizer()
+    ids, mask, labels, inst = QADataModule.encode(tok, [{"context": "c", "question": "who?", "answer": "bob"}], 24)
+    answer = labels[0] != -100
+    assert answer.sum() == len(tok(" bob", add_special_tokens=False)["input_ids"]) + (tok.eos_token_id is not None)
+    assert not bool((inst[0].bool() & answer).any())  # the instance span never covers the answer
+    assert bool(inst[0].sum() > 0) and int(mask[0].sum()) == int(inst[0].sum() + answer.sum())
