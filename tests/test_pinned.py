@@ -1,7 +1,7 @@
 """Pinned short runs, torchtune style: a silent numeric change in any method fails here.
 
 For one CPU config of every registered method, a few steps under seed 0 and the first three values
-the method logs (training losses, or the quantization errors / adaptation errors / bound-study
+the method logs (training losses, or the quantization errors / post-adaptation entropies / bound-study
 errors of the evaluation-only methods) are compared with the values pinned below (rtol 1e-4, room
 for CPU instruction-set differences, far below any real change). A method without an entry fails
 `test_every_method_has_pinned_values`.
@@ -65,7 +65,9 @@ def _reservoir(root: Path) -> list[float]:
     assert run_cli("test", "--config", CONFIGS / "reservoir_tta/csc_digits.yaml", f"--model.init_args.source_ckpt={ckpt}",
                    "--model.init_args.method.init_args.n_source_styles=20", "--data.init_args.recurrences=1",
                    "--trainer.limit_test_batches=3", "--trainer.enable_progress_bar=false", run_root=root / "tta") == 0
-    return _column(_only(root / "tta", "tta_batches.csv"), "error")
+    # the mean prediction entropy after adaptation: continuous (a batch error rate moves in steps of 1/64 when
+    # one borderline prediction flips between CPU instruction sets)
+    return _column(_only(root / "tta", "tta_batches.csv"), "entropy")
 
 
 def _pinv(root: Path) -> list[float]:
@@ -82,9 +84,9 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
     "nanoadam": (_fit("nanoadam/digits_finetune.yaml"), [1.9976024627685547, 1.8209713697433472, 1.530207633972168]),
     "is_lowrank": (_fit("is_lowrank/char_lm.yaml"), [4.8457207679748535, 4.631700038909912, 4.440855979919434]),
     "glvq": (_glvq, [0.09417196002189185, 0.08925964007626871, 0.30444443225860596]),
-    "reservoir_tta": (_reservoir, [0.890625, 0.8125, 0.90625]),
+    "reservoir_tta": (_reservoir, [2.294715166091919, 2.294339895248413, 2.294147253036499]),
     "pt_moe": (_fit("pt_moe/templated_ptmoe.yaml"), [0.6931473016738892, 0.6936666965484619, 0.6939730644226074]),
-    "capt": (_fit("capt/templated_capt.yaml"), [0.6931473016738892, 0.6820967197418213, 0.6672331094741821]),
+    "capt": (_fit("capt/templated_capt.yaml"), [0.6931473016738892, 0.705845832824707, 0.693983793258667]),
     "pinv_bounds": (_pinv, [9.53239879028542, 3.793205535636699, 0.5225886098338843]),
 }
 

@@ -360,6 +360,7 @@ class PromptTunedClassifier(pl.LightningModule):
         model, self.pretrained = load_backbone(backbone, num_layers, allow_random_init=allow_random_init)
         if not backbone_dropout:
             disable_dropout(model)
+        model.train()  # Lightning switches train/eval; frozen weights either way
         self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
         if prompt is not None and _has_init_text(prompt):
             prompt.initialize(self.encoder.embed_text(load_tokenizer(backbone)))
@@ -531,6 +532,7 @@ class PromptTunedLM(pl.LightningModule):
         self.save_hyperparameters(ignore=["prompt"], logger=False)
         model, self.pretrained = load_backbone(backbone, num_layers, causal=True, config=backbone_config)
         disable_dropout(model)
+        model.train()
         self.lm = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
         if prompt is not None and _has_init_text(prompt):
             prompt.initialize(self.lm.embed_text(load_tokenizer(tokenizer or backbone)))
@@ -636,12 +638,15 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
     rows = [[label, len(runs), cell(runs, "params/prompt"), cell(runs, "params/head"), *(cell(runs, c) for c in columns)]
             for label, runs in sorted(groups.items())]
     if out:
-        fig, ax = new_figure(figsize=(1.2 * len(groups) + 2, 3.2))
+        import textwrap
+
+        fig, ax = new_figure(figsize=(2.0 * len(groups) + 1, 4.0))
         labels = sorted(groups)
         means = [statistics.fmean(r[columns[0]] for r in groups[k]) for k in labels]
         stds = [statistics.stdev([r[columns[0]] for r in groups[k]]) if len(groups[k]) > 1 else 0.0 for k in labels]
         ax.bar(range(len(labels)), means, yerr=stds, capsize=3)
-        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_xticks(range(len(labels)), [textwrap.fill(k.replace("(", " (").replace(", ", " "), 18) for k in labels],
+                      fontsize=7)
         ax.set_ylabel(columns[0])
         ax.set_ylim(min(means) - 0.1, 1.0)
         ax.set_title(title)

@@ -9,8 +9,8 @@ and then adapted on, in stream order. Batches are ``(x, y, domain, recurrence)``
 Logged: ``test/error`` (running), and at the end ``test/error_mean``, ``test/error_last`` (the last
 recurrence), per-recurrence ``test/error_r<k>`` and, for a plug-in that routes batches to clusters,
 ``test/clusters`` (clusters that received batches), ``test/models`` (copies held, the source's included)
-and ``test/purity``. Written to the run directory: ``tta_batches.csv`` (one row per
-batch), ``tta_recurrence.csv`` (error per recurrence) and ``tta_recurrence.png``.
+and ``test/purity``. Written to the run directory: ``tta_batches.csv`` (one row per batch: error,
+mean prediction entropy, cluster), ``tta_recurrence.csv`` (error per recurrence) and ``tta_recurrence.png``.
 
 The trainer must run with ``inference_mode: false`` (adaptation needs gradients in ``test``).
 """
@@ -103,7 +103,8 @@ class TTAModule(pl.LightningModule):
         rec = int(batch[3][0]) if len(batch) > 3 else 0
         logits = self.method.forward_and_adapt(x)
         err = float((logits.argmax(dim=1) != y).float().mean())
-        row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "error": err}
+        entropy = float(-(logits.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1).mean())  # Tent's objective
+        row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "error": err, "entropy": entropy}
         cluster = self.method.last_cluster
         if cluster is not None:
             row["cluster"] = cluster
