@@ -135,12 +135,12 @@ class CapsulePrompt(PromptModule):
 
 
 
-COLUMNS = ("test/acc", "time/epoch_s", "test/anchor_share", "test/max_slot_share")
+COLUMNS = ("test/acc", "test/acc_sentiment", "test/acc_topic", "test/anchor_share", "test/max_slot_share")
 
 
 @register_summary("capt")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Templated two-domain runs (head, PT, P-tuning v2, deep PT, instance-only, CaPT): accuracy, s/epoch, attention."""
+    """Templated two-domain runs (head, PT, P-tuning v2, deep PT, instance-only, CaPT): accuracy and attention shares."""
     from lowrank_lit.models.text import prompt_runs_table
 
-    return prompt_runs_table(roots, COLUMNS, out=out, title="CaPT vs prompt baselines (MiniLM, 6 layers)")
+    return prompt_runs_table(roots, COLUMNS, out=out, title="CaPT vs prompt baselines (MiniLM, 2 layers)")
