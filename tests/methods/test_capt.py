@@ -18,6 +18,9 @@ from lowrank_lit.models.text import (
 from lowrank_lit.nn.prompts import DeepPrompt, anchor_attention_share, masked_mean
 from tests.helpers import CONFIGS, run_cli, run_dirs
 
+SHORT = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=2",
+         "--trainer.enable_progress_bar=false"]
+
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
@@ -255,3 +258,17 @@ def test_must_show_capt(tmp_path):
     assert res["capt"][0]["params/prompt"] * 4 == res["ptv2"][0]["params/prompt"]
     assert mean("capt", "test/anchor_share") > mean("pt16", "test/max_slot_share")
     assert mean("instance_only") >= mean("head"), (mean("instance_only"), mean("head"))
+
+
+def test_cli_smoke_with_one_layer(tmp_path, capsys):
+    from lowrank_lit.report import last_values
+
+    rc = run_cli("fit", "--config", CONFIGS / "capt" / "templated_capt.yaml", "--model.init_args.num_layers=1",
+                 "--model.init_args.prompt.init_args.num_layers=1", *SHORT, run_root=tmp_path)
+    assert rc == 0
+    values = last_values(run_dirs(tmp_path)[0] / "metrics.csv")
+    assert values["params/prompt"] == 384 and 0.0 < values["test/anchor_share"] < 1.0
+    # a capsule built for another depth is refused with the layer count
+    assert run_cli("fit", "--config", CONFIGS / "capt" / "templated_capt.yaml", "--model.init_args.num_layers=1",
+                   "--trainer.fast_dev_run=true", run_root=tmp_path / "bad") == 2
+    assert "num_layers=2 but the backbone has 1 layers" in capsys.readouterr().err

@@ -28,6 +28,9 @@ from lowrank_lit.nn.prompts import (
 )
 from tests.helpers import CONFIGS, run_cli, run_dirs
 
+SHORT = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=2",
+         "--trainer.enable_progress_bar=false"]
+
 TASK = "classify the sentiment of a review or the topic of a conversation"
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
@@ -386,3 +389,14 @@ def test_user_text_files_and_qa_encoding(tmp_path):
     assert answer.sum() == len(tok(" bob", add_special_tokens=False)["input_ids"]) + (tok.eos_token_id is not None)
     assert not bool((inst[0].bool() & answer).any())  # the instance span never covers the answer
     assert bool(inst[0].sum() > 0) and int(mask[0].sum()) == int(inst[0].sum() + answer.sum())
+
+
+def test_cli_smoke_with_one_layer(tmp_path):
+    from lowrank_lit.report import last_values
+
+    rc = run_cli("fit", "--config", CONFIGS / "pt_moe" / "templated_ptmoe.yaml", "--model.init_args.num_layers=1",
+                 *SHORT, run_root=tmp_path)
+    assert rc == 0
+    values = last_values(run_dirs(tmp_path)[0] / "metrics.csv")
+    assert values["params/prompt"] == 6178 and values["params/backbone"] == 0 and values["params/pretrained"] == 1
+    assert 0.0 <= values["test/routing_purity"] <= 1.0
