@@ -114,3 +114,17 @@ class SlowBatches(Callback):
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
         time.sleep(self.seconds)
+
+
+#: A tiny random Llama config (MiniLM's vocabulary size, so its tokenizer works) for decoder-path tests.
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def text_batch(max_length: int = 12) -> tuple[Any, Any]:
+    """``(input_ids, attention_mask)`` of three short sentences, MiniLM-tokenised and right-padded."""
+    from lowrank_lit.models.text import load_tokenizer
+
+    enc = load_tokenizer()(["the pizza was delicious .", "we talked about tennis and rice today .", "the movie was bad ."],
+                           padding="max_length", max_length=max_length, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]

@@ -26,14 +26,12 @@ from lowrank_lit.nn.prompts import (
     masked_mean,
     svd_init_prompt,
 )
-from tests.helpers import CONFIGS, run_cli, run_dirs
+from tests.helpers import CONFIGS, TINY_LLAMA, run_cli, run_dirs, text_batch
 
 SHORT = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=2",
          "--trainer.enable_progress_bar=false"]
 
 TASK = "classify the sentiment of a review or the topic of a conversation"
-TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +44,7 @@ def bert():
 
 @pytest.fixture(scope="module")
 def batch():
-    tok = load_tokenizer()
-    enc = tok(["the pizza was delicious .", "we talked about tennis and rice today .", "the movie was bad ."],
-              padding="max_length", max_length=12, return_tensors="pt")
-    return enc["input_ids"], enc["attention_mask"]
+    return text_batch()
 
 
 def _moe(**kw):
