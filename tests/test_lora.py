@@ -64,7 +64,7 @@ def test_asymmetric_with_one_expert_and_no_poison_is_plain_lora():
     asym = AsymmetricLoRALinear(_linear(), r=4, n_experts=1, n_poison=0, alpha=8, compensate_k=0)
     lora = LoRALinear(_linear(), r=4, alpha=8)
     with torch.no_grad():
-        asym.lora_B.normal_()
+        asym.lora_B[0].normal_()
         lora.lora_A.copy_(asym.lora_A)
         lora.lora_B.copy_(asym.lora_B[0])
     torch.testing.assert_close(asym(x), lora(x), atol=1e-6, rtol=0)
@@ -83,7 +83,8 @@ def test_asymmetric_identity_at_init_and_router_weights_are_a_distribution():
 def test_poison_only_mode_uses_only_the_poison_expert():
     layer = AsymmetricLoRALinear(_linear(), r=4, n_experts=3, n_poison=1)
     with torch.no_grad():
-        layer.lora_B.normal_()
+        for b in layer.lora_B:
+            b.normal_()
     x = torch.randn(4, 16)
     layer.set_mode("poison_only")
     expected = layer.base(x) + layer.scaling * x @ layer.lora_A.T @ layer.lora_B[3].T

@@ -28,7 +28,8 @@ import torch
 from lowrank_lit.data.loader import ResumableDataLoader
 from lowrank_lit.data.tensor import TensorDataModule
 
-__all__ = ["TemplatedTextDataModule", "TextClassificationDataModule", "QADataModule", "collate_qa", "templated_examples", "WORDS"]
+__all__ = ["TemplatedTextDataModule", "TextClassificationDataModule", "QADataModule", "collate_qa", "templated_examples",
+           "corrupt_text", "CORRUPTIONS", "WORDS"]
 
 #: The built-in word lists (train and held-out words are drawn from each list).
 WORDS: dict[str, tuple[str, ...]] = {
@@ -75,11 +76,13 @@ def _split_words(words: Sequence[str], heldout_fraction: float, rng: random.Rand
     return words[n_test:], words[:n_test]
 
 
-def templated_examples(n: int, words: dict[str, Sequence[str]], rng: random.Random) -> list[tuple[str, int, int]]:
-    """``n`` examples ``(text, label, domain)``, half per domain, labels balanced within each domain."""
+def templated_examples(n: int, words: dict[str, Sequence[str]], rng: random.Random,
+                       domains: Sequence[int] = (0, 1)) -> list[tuple[str, int, int]]:
+    """``n`` examples ``(text, label, domain)``, equal shares per domain, labels balanced within each domain."""
     out = []
+    k = len(domains)
     for i in range(n):
-        domain, label = i % 2, (i // 2) % 2
+        domain, label = domains[i % k], (i // k) % 2
         if domain == 0:
             adj = rng.choice(words["positive" if label == 1 else "negative"])
             text = f"the {rng.choice(words['item'])} was {adj} ."
@@ -95,6 +98,45 @@ def templated_examples(n: int, words: dict[str, Sequence[str]], rng: random.Rand
 def _encode(tokenizer: Any, texts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
     return enc["input_ids"].long(), enc["attention_mask"].long()
+
+
+#: Discrete text corruptions (HyNoIse's and the noisy-data experiment's): word order, inserted and deleted characters.
+CORRUPTIONS = ("shuffle", "insert", "delete")
+_NOISE_CHARS = "abcdefghijklmnopqrstuvwxyz#@%&*"
+
+
+def corrupt_text(text: str, rate: float, rng: random.Random, ops: Sequence[str] = CORRUPTIONS) -> str:
+    """One corruption drawn uniformly from ``ops`` and applied at ``rate`` (``rate=0``: the text unchanged).
+
+    ``shuffle`` swaps ``max(1, rate * words)`` random pairs of words; ``insert`` puts a random noise character
+    after each character with probability ``rate`` (at least one); ``delete`` drops each character with
+    probability ``rate`` (at least one; never all).
+    """
+    for op in ops:
+        if op not in CORRUPTIONS:
+            raise ValueError(f"corrupt_text: op {op!r}; allowed: {', '.join(CORRUPTIONS)}")
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"corrupt_text: rate={rate}; allowed: a float in [0, 1]")
+    if rate == 0:
+        return text
+    op = rng.choice(list(ops))
+    if op == "shuffle":
+        words = text.split()
+        for _ in range(max(1, round(rate * len(words)))):
+            i, j = rng.randrange(len(words)), rng.randrange(len(words))
+            words[i], words[j] = words[j], words[i]
+        return " ".join(words)
+    chars = list(text)
+    hits = [i for i in range(len(chars)) if rng.random() < rate] or [rng.randrange(len(chars))]
+    if op == "insert":
+        for i in sorted(hits, reverse=True):
+            chars.insert(i + 1, rng.choice(_NOISE_CHARS))
+    else:
+        if len(hits) >= len(chars):
+            hits = hits[:-1]
+        for i in sorted(hits, reverse=True):
+            del chars[i]
+    return "".join(chars)
 
 
 class TemplatedTextDataModule(TensorDataModule):
@@ -113,14 +155,33 @@ class TemplatedTextDataModule(TensorDataModule):
         split_seed: seed of the word split and the sentences (the data never depends on the run seed). Default: 0.
         batch_size: samples per batch. Default: 32.
         num_workers: DataLoader workers. Default: 0.
+        domains: which domains to draw (``sentiment``, ``topic``). Default: both.
+        corrupt_fraction: share of training sentences hit by one :func:`corrupt_text` op (noisy-data
+            experiments; the test split stays clean). Default: 0.0.
+        char_rate: the corruption rate of those sentences. Default: 0.08.
+        noisy_copy_rate: also serve a corrupted copy of every train and test sentence at this rate (HyNoIse's
+            discrete noise): batches then carry ``(noisy_ids, noisy_mask)`` after the domain; None: no copy.
+            Default: None.
     """
 
     domain_names = DOMAINS
 
     def __init__(self, tokenizer: str = "all-MiniLM-L6-v2", n_train: int = 2000, n_val: int = 400, n_test: int = 1000,
                  heldout_fraction: float = 0.4, max_length: int = 12, label_noise: float = 0.0, vader: bool = False,
-                 vader_threshold: float = 2.0, split_seed: int = 0, batch_size: int = 32, num_workers: int = 0) -> None:
+                 vader_threshold: float = 2.0, split_seed: int = 0, batch_size: int = 32, num_workers: int = 0,
+                 domains: list[str] | None = None, corrupt_fraction: float = 0.0, char_rate: float = 0.08,
+                 noisy_copy_rate: float | None = None) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers)
+        domains = list(DOMAINS) if domains is None else list(domains)
+        unknown = [d for d in domains if d not in DOMAINS]
+        if unknown or not domains:
+            raise ValueError(f"TemplatedTextDataModule: domains={domains!r}; allowed: a non-empty list of {', '.join(DOMAINS)}")
+        if not 0.0 <= corrupt_fraction <= 1.0:
+            raise ValueError(f"TemplatedTextDataModule: corrupt_fraction={corrupt_fraction}; allowed: a float in [0, 1]")
+        if noisy_copy_rate is not None and not 0.0 < noisy_copy_rate <= 1.0:
+            raise ValueError(f"TemplatedTextDataModule: noisy_copy_rate={noisy_copy_rate}; allowed: a float in (0, 1] or null")
+        self.domain_ids = [DOMAINS.index(d) for d in domains]
+        self.corrupt_fraction, self.char_rate, self.noisy_copy_rate = corrupt_fraction, char_rate, noisy_copy_rate
         if not 0.0 < heldout_fraction < 1.0:
             raise ValueError(f"TemplatedTextDataModule: heldout_fraction={heldout_fraction}; allowed: a float in (0, 1)")
         if not 0.0 <= label_noise < 0.5:
@@ -151,15 +212,25 @@ class TemplatedTextDataModule(TensorDataModule):
         """The examples of each split, ``(text, label, domain)``."""
         train_words, test_words = self.word_split()
         rng = random.Random(self.split_seed + 1)
-        splits = {"train": templated_examples(self.n_train, train_words, rng),
-                  "val": templated_examples(self.n_val, train_words, rng),
-                  "test": templated_examples(self.n_test, test_words, rng)}
+        d = self.domain_ids
+        splits = {"train": templated_examples(self.n_train, train_words, rng, d),
+                  "val": templated_examples(self.n_val, train_words, rng, d),
+                  "test": templated_examples(self.n_test, test_words, rng, d)}
         if self.label_noise > 0:
             noisy = []
             for text, label, domain in splits["train"]:
                 noisy.append((text, 1 - label if rng.random() < self.label_noise else label, domain))
             splits["train"] = noisy
+        if self.corrupt_fraction > 0:
+            crng = random.Random(self.split_seed + 2)
+            splits["train"] = [(corrupt_text(t, self.char_rate, crng) if crng.random() < self.corrupt_fraction else t, y, dom)
+                               for t, y, dom in splits["train"]]
         return splits
+
+    def noisy_copies(self, texts: list[str], split: str) -> list[str]:
+        """The HyNoIse copy of a split's sentences (deterministic in ``split_seed`` and the split)."""
+        rng = random.Random(f"{self.split_seed}-{split}-copy")
+        return [corrupt_text(t, self.noisy_copy_rate, rng) for t in texts]
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
         from lowrank_lit.models.text import load_tokenizer
@@ -167,8 +238,11 @@ class TemplatedTextDataModule(TensorDataModule):
         tokenizer = load_tokenizer(self.tokenizer_name)
         out = {}
         for name, examples in self.texts().items():
-            ids, mask = _encode(tokenizer, [t for t, _, _ in examples], self.max_length)
+            texts = [t for t, _, _ in examples]
+            ids, mask = _encode(tokenizer, texts, self.max_length)
             out[name] = (ids, mask, torch.tensor([e[1] for e in examples]), torch.tensor([e[2] for e in examples]))
+            if self.noisy_copy_rate is not None:
+                out[name] = (*out[name], *_encode(tokenizer, self.noisy_copies(texts, name), self.max_length))
         return out
 
 

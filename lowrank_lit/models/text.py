@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,12 +183,13 @@ class PromptedBackbone(nn.Module):
     Args:
         backbone: a HF model (encoder ``AutoModel`` or ``AutoModelForCausalLM``); its parameters must be frozen.
         prompt: a :class:`~lowrank_lit.nn.prompts.PromptModule`, or None (no prompt: head-only tuning).
-        strict_frozen: raise if any backbone parameter is trainable. Default: True.
+        strict_frozen: raise if any backbone parameter is trainable (adapter parameters, named ``lora_*``,
+            excepted). Default: True.
     """
 
     def __init__(self, backbone: nn.Module, prompt: PromptModule | None = None, strict_frozen: bool = True) -> None:
         super().__init__()
-        trainable = [n for n, p in backbone.named_parameters() if p.requires_grad]
+        trainable = [n for n, p in backbone.named_parameters() if p.requires_grad and "lora_" not in n]
         if strict_frozen and trainable:
             raise ValueError(f"PromptedBackbone: strict_frozen=True but {len(trainable)} backbone parameters are trainable "
                              f"(first: {trainable[0]}); call backbone.requires_grad_(False) or pass strict_frozen=False")
@@ -243,7 +245,8 @@ class PromptedBackbone(nn.Module):
         return embed
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, instance_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, output_attentions: bool = False) -> PromptedOutput:
+                labels: torch.Tensor | None = None, output_attentions: bool = False,
+                embed_noise: Any = None) -> PromptedOutput:
         """Run the prompted backbone.
 
         Args:
@@ -253,6 +256,8 @@ class PromptedBackbone(nn.Module):
                 instruction/input, never the answer); None: the attention mask.
             labels: ``(b, s)`` LM targets with -100 where no loss is taken (causal LMs only).
             output_attentions: also return every layer's attention probabilities.
+            embed_noise: ``f(embeds (b, s, H), mask (b, s)) -> embeds`` applied to the word embeddings first
+                (e.g. LoPE's continuous HyNoIse); None: none.
         """
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"PromptedBackbone: attention_mask shape {tuple(attention_mask.shape)} does not match "
@@ -263,6 +268,8 @@ class PromptedBackbone(nn.Module):
             raise ValueError(f"PromptedBackbone: {n} prompt tokens + sequence length {s} = {n + s} exceeds the backbone's "
                              f"max_position_embeddings={self.max_positions}; shorten the inputs (max_length) or the prompt")
         embeds = self.word_embeddings(input_ids)  # (b, s, H)
+        if embed_noise is not None:
+            embeds = embed_noise(embeds, attention_mask)
         mask = attention_mask
         routing = None
         if n:
@@ -307,7 +314,7 @@ def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
 
 
 class PromptTunedClassifier(pl.LightningModule):
-    """Frozen text encoder + one prompt method + a masked-mean-pool linear head (zero-initialised).
+    """Frozen text encoder + one prompt method and/or adapters + a masked-mean-pool linear head (zero-initialised).
 
     Batches are ``(input_ids, attention_mask, label, domain)`` (see
     :class:`lowrank_lit.data.text_tasks.TemplatedTextDataModule`). Logs ``train/loss``, ``{val,test}/acc``,
@@ -333,7 +340,16 @@ class PromptTunedClassifier(pl.LightningModule):
         measure_attention: compute the attention shares in the test loop. Default: True.
         domain_names: names of the domain ids for the per-domain logs; None reads ``domain_names`` of the
             DataModule, else ``d0, d1, ...``. Default: None.
+        adapter: ``nn.Linear -> adapter`` factory (a ``class_path`` such as ``lowrank_lit.nn.lora.LoRALinear`` with
+            its ``init_args``, the layer left out) put on every layer ``adapter_targets`` matches. Default: None.
+        adapter_targets: module-name patterns of the adapted layers. Default: BERT's query and value projections.
+        lr_adapter: AdamW learning rate of the adapter parameters. Default: 1e-3.
     """
+
+    #: ``f(embeds, mask) -> embeds`` applied to the word embeddings in training (set by e.g. LoPE's stage callback).
+    embed_noise: Any = None
+    #: train on the batch's noisy copies too (``(noisy_ids, noisy_mask)`` after the domain; LoPE's stage I).
+    train_on_noisy_copies: bool = False
 
     def __init__(
         self,
@@ -349,6 +365,9 @@ class PromptTunedClassifier(pl.LightningModule):
         backbone_dropout: bool = False,
         measure_attention: bool = True,
         domain_names: list[str] | None = None,
+        adapter: Callable[[nn.Linear], nn.Module] | None = None,
+        adapter_targets: list[str] | None = None,
+        lr_adapter: float = 1e-3,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -361,6 +380,12 @@ class PromptTunedClassifier(pl.LightningModule):
         if not backbone_dropout:
             disable_dropout(model)
         model.train()  # Lightning switches train/eval; frozen weights either way
+        if adapter is not None:
+            from lowrank_lit.nn.lora import inject_adapters
+
+            targets = adapter_targets or ["*.attention.self.query", "*.attention.self.value"]
+            self.adapted = inject_adapters(model, targets, adapter, owner="PromptTunedClassifier: adapter_targets")
+        self.lr_adapter = lr_adapter
         self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
         if prompt is not None and _has_init_text(prompt):
             prompt.initialize(self.encoder.embed_text(load_tokenizer(backbone)))
@@ -380,18 +405,25 @@ class PromptTunedClassifier(pl.LightningModule):
     def prompt(self) -> PromptModule | None:
         return self.encoder.prompt
 
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """Every adapter parameter (``lora_*``), trainable now or not (stage schedules switch them)."""
+        return [p for n, p in self.encoder.backbone.named_parameters() if "lora_" in n]
+
     def parameter_counts(self) -> dict[str, int]:
-        """Trainable parameters: prompt, head, backbone (0 when frozen)."""
+        """Trainable parameters: prompt, adapters (all of them), head, backbone (0 when frozen)."""
         prompt = 0 if self.prompt is None else self.prompt.trainable_count()
         return {
             "prompt": prompt,
+            "adapter": sum(p.numel() for p in self.adapter_parameters()),
             "head": sum(p.numel() for p in self.head.parameters()),
-            "backbone": sum(p.numel() for p in self.encoder.backbone.parameters() if p.requires_grad),
+            "backbone": sum(p.numel() for n, p in self.encoder.backbone.named_parameters()
+                            if p.requires_grad and "lora_" not in n),
         }
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 output_attentions: bool = False) -> tuple[torch.Tensor, PromptedOutput]:
-        out = self.encoder(input_ids, attention_mask, output_attentions=output_attentions)
+        noise = self.embed_noise if self.training else None
+        out = self.encoder(input_ids, attention_mask, output_attentions=output_attentions, embed_noise=noise)
         pooled = masked_mean(out.hidden, attention_mask)  # (b, H): real tokens only
         return self.head(pooled), out  # (b, C)
 
@@ -402,7 +434,8 @@ class PromptTunedClassifier(pl.LightningModule):
 
         name = "head only" if self.prompt is None else type(self.prompt).__name__
         formula = "" if self.prompt is None else f" (formula: {self.prompt.expected_count():,})"
-        rank_zero_info(f"trainable parameters: prompt {name} {counts['prompt']:,}{formula}, head {counts['head']:,}, "
+        rank_zero_info(f"trainable parameters: prompt {name} {counts['prompt']:,}{formula}, adapters {counts['adapter']:,}, "
+                       f"head {counts['head']:,}, "
                        f"backbone {counts['backbone']:,}" + ("" if self.pretrained else " [no-pretraining: random-init backbone]"))
         if self.logger is not None:
             self.logger.log_metrics({f"params/{k}": float(v) for k, v in counts.items()}
@@ -417,6 +450,11 @@ class PromptTunedClassifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         input_ids, mask, y = batch[0], batch[1], batch[2]
+        if self.train_on_noisy_copies:
+            if len(batch) < 6:
+                raise ValueError("PromptTunedClassifier: train_on_noisy_copies needs batches with noisy copies "
+                                 "(TemplatedTextDataModule(noisy_copy_rate=...))")
+            input_ids, mask, y = torch.cat([input_ids, batch[4]]), torch.cat([mask, batch[5]]), torch.cat([y, y])
         logits, _ = self(input_ids, mask)
         loss = F.cross_entropy(logits, y)
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
@@ -490,6 +528,9 @@ class PromptTunedClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         groups = [{"params": list(self.head.parameters()), "lr": self.lr_head}]
+        adapters = self.adapter_parameters()  # all of them: a frozen one gets no grad and AdamW leaves it untouched
+        if adapters:
+            groups.append({"params": adapters, "lr": self.lr_adapter})
         if self.prompt is not None:
             params = [p for p in self.prompt.parameters() if p.requires_grad]
             if params:

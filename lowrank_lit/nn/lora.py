@@ -119,12 +119,13 @@ class AsymmetricLoRALinear(nn.Module):
         _check(1 <= r <= min(base.in_features, base.out_features),
                f"AsymmetricLoRALinear: r={r}; allowed: 1 <= r <= min(in, out) = {min(base.in_features, base.out_features)}")
         _check(n_experts >= 1, f"AsymmetricLoRALinear: n_experts={n_experts}; allowed: an integer >= 1")
-        _check(n_poison >= 0, f"AsymmetricLoRALinear: n_poison={n_poison}; allowed: an integer >= 0")
+        _check(0 <= n_poison < n_experts,
+               f"AsymmetricLoRALinear: n_poison={n_poison}; allowed: 0 <= n_poison < n_experts = {n_experts}")
         _check(router_in in ROUTER_INPUTS, f"AsymmetricLoRALinear: router_in={router_in!r}; allowed: {', '.join(ROUTER_INPUTS)}")
         compensate_k = n_experts if compensate_k is None else compensate_k
         _check(0 <= compensate_k <= n_experts,
                f"AsymmetricLoRALinear: compensate_k={compensate_k}; allowed: 0 <= compensate_k <= n_experts = {n_experts}")
-        _check(compensate_beta >= 0, f"AsymmetricLoRALinear: compensate_beta={compensate_beta}; allowed: a float >= 0")
+        _check(compensate_beta > 0, f"AsymmetricLoRALinear: compensate_beta={compensate_beta}; allowed: a float > 0")
         self.base, self.r, self.scaling = base, r, alpha / r
         self.n_experts, self.n_poison, self.router_in = n_experts, n_poison, router_in
         self.compensate_k, self.compensate_beta = compensate_k, compensate_beta
@@ -132,7 +133,8 @@ class AsymmetricLoRALinear(nn.Module):
         total = n_experts + n_poison
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features))  # (r, d_in)
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.lora_B = nn.Parameter(torch.zeros(total, base.out_features, r))  # (N, d_out, r); poison last
+        # one Parameter per expert, so one expert can be frozen bit-exactly while the others train; poison last
+        self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(base.out_features, r)) for _ in range(total)])
         self.lora_router = nn.Linear(r if router_in == "lowrank" else base.in_features, total, bias=False)
         self.mode = "route"
         self.last_weights: torch.Tensor | None = None
@@ -152,9 +154,14 @@ class AsymmetricLoRALinear(nn.Module):
             return u.new_ones(*u.shape[:-1], 1)
         return self.lora_router(u if self.router_in == "lowrank" else x).softmax(dim=-1)
 
+    def merge(self) -> None:
+        """Refused: per-token routing gives every token its own ``sum_i w_i B_i``, so no single weight exists."""
+        raise ValueError("AsymmetricLoRALinear: merge() is not possible with per-token routing (each token mixes the "
+                         "experts with its own weights); merge only a fixed-routing LoRALinear")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         u = F.linear(x, self.lora_A)  # (..., r)
-        experts = torch.einsum("...r,nor->...no", u, self.lora_B)  # (..., N, d_out)
+        experts = torch.einsum("...r,nor->...no", u, torch.stack(list(self.lora_B)))  # (..., N, d_out)
         if self.mode == "poison_only":
             w = u.new_zeros(*u.shape[:-1], self.n_experts + self.n_poison)
             w[..., self.poison_index] = 1.0 / self.n_poison
@@ -171,7 +178,7 @@ def dycompensate(weights: torch.Tensor, expert_outputs: torch.Tensor, poison_idx
     """Mask the poison experts and hand their weight to the K normal experts most similar to them.
 
     ``theta_i = cos(out_i, out_D)`` per token; among the normal experts the K largest get
-    ``w_i + beta * w_D * theta_i^+ / sum_topK theta_j^+`` (nothing when every ``theta^+`` is 0); ``w_D = 0``.
+    ``w_i + beta * w_D * theta_i^+ / sum_topK theta_j^+`` (an even split when every ``theta^+`` is 0); ``w_D = 0``.
     With several poison experts their weights and outputs are pooled (sum of weights, weighted mean output).
 
     Args:
@@ -198,7 +205,9 @@ def dycompensate(weights: torch.Tensor, expert_outputs: torch.Tensor, poison_idx
     theta = F.cosine_similarity(expert_outputs[..., normal, :], d.unsqueeze(-2), dim=-1)  # (..., n_normal)
     top = theta.topk(k, dim=-1)
     pos = top.values.clamp_min(0.0)  # (..., k)
-    share = pos / pos.sum(-1, keepdim=True).clamp_min(1e-12)  # (..., k); all-zero rows give nothing
+    total = pos.sum(-1, keepdim=True)
+    # no positive similarity among the top K: split evenly (inferred), so beta = 1 still keeps sum(w) = 1
+    share = torch.where(total > 0, pos / total.clamp_min(1e-12), torch.full_like(pos, 1.0 / k))  # (..., k)
     add = torch.zeros_like(theta).scatter(-1, top.indices, beta * w_d * share)  # (..., n_normal)
     return out.index_add(out.ndim - 1, normal, add)
 

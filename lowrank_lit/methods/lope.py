@@ -1,0 +1,255 @@
+'''LoPE: noise robustness through noise -- asymmetric MoE-LoRA with a poisoning expert.
+
+Wang, Guo, Pu, Chen, Pu, Ou, Qin, Tian, *Noise-Robustness Through Noise: A Framework combining Asymmetric
+LoRA with Poisoning MoE*, NeurIPS 2025 (arXiv 2505.23868). No public code was found.
+
+An asymmetric (HydraLoRA-style) adapter ``h = W0 x + (alpha / r) sum_i w_i(x) B_i A x`` with one shared A, N
+normal experts ``B_i``, one poisoning expert ``B_D`` and a per-token softmax router
+(:class:`lowrank_lit.nn.lora.AsymmetricLoRALinear`). Training has two stages:
+
+* stage I: only A and ``B_D`` train, on the original data plus its HyNoIse copy (discrete character/word noise
+  in the data, continuous embedding noise ``E' = E + alpha U(-1, 1) * mask`` in the model), ``w_D = 1``, no router;
+* stage II: A, the normal ``B_i`` and the router train on the original data; ``B_D`` is frozen but stays in the
+  forward pass.
+
+At inference ``B_D`` is masked and its routing weight handed to the K normal experts whose outputs are most
+similar to its own (DyCompEnSate, :func:`lowrank_lit.nn.lora.dycompensate`; K = 0 is plain masking).
+
+Inferred where the paper is silent (method card 07): the router reads ``A x`` (the paper's ``W_gate in R^{r x N}``;
+``router_in="input"`` gives HydraLoRA's); A is Kaiming-uniform, every B zero, scaling ``alpha / r``; stage I uses
+``w_D = 1`` and no router; the DyCompEnSate formula (its equation did not survive extraction) is
+``w_i + beta * w_D * theta_i^+ / sum_topK theta^+`` over the K normal experts most cosine-similar to ``B_D A x``.
+The optimizer holds every adapter parameter from the start; a frozen one gets no gradient, so AdamW leaves it
+bit-identical (no optimizer rebuild at the stage switch, and resuming across the switch is exact because the
+stage follows ``global_step``).
+'''
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lowrank_lit.nn.lora import AsymmetricLoRALinear
+from lowrank_lit.registry import register_method
+from lowrank_lit.report import markdown_table, register_summary
+
+__all__ = ["LoPEStageCallback", "HyNoIse", "hynoise_embedding", "poison_share"]
+
+PAPER = "Noise-Robustness Through Noise: Asymmetric LoRA with Poisoning MoE (LoPE)"
+
+
+def hynoise_embedding(embeds: torch.Tensor, mask: torch.Tensor, alpha: float,
+                      generator: torch.Generator | None = None) -> torch.Tensor:
+    """``E + alpha * U(-1, 1) * mask``: bounded noise on the valid positions of ``embeds (b, s, H)``."""
+    if alpha < 0:
+        raise ValueError(f"hynoise_embedding: alpha={alpha}; allowed: a float >= 0")
+    if mask.shape != embeds.shape[:2]:
+        raise ValueError(f"hynoise_embedding: mask shape {tuple(mask.shape)} does not match embeds (b, s) = {tuple(embeds.shape[:2])}")
+    if alpha == 0:
+        return embeds
+    u = torch.rand(embeds.shape, generator=generator, device=embeds.device, dtype=embeds.dtype) * 2 - 1  # U(-1, 1)
+    return embeds + alpha * u * mask.unsqueeze(-1).to(embeds.dtype)
+
+
+class HyNoIse:
+    """The continuous half of HyNoIse as a callable ``(embeds, mask) -> embeds`` (the discrete half is data:
+    :class:`lowrank_lit.data.text_tasks.TemplatedTextDataModule` ``noisy_copy_rate``).
+
+    Args:
+        emb_alpha: bound of the uniform embedding noise. Default: 0.05 (paper).
+        generator: RNG of the noise; None uses the global torch RNG (seeded by ``seed_everything``).
+    """
+
+    def __init__(self, emb_alpha: float = 0.05, generator: torch.Generator | None = None) -> None:
+        if emb_alpha < 0:
+            raise ValueError(f"HyNoIse: emb_alpha={emb_alpha}; allowed: a float >= 0")
+        self.emb_alpha, self.generator = emb_alpha, generator
+
+    def __call__(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return hynoise_embedding(embeds, mask, self.emb_alpha, self.generator)
+
+
+def _poison_layers(module: torch.nn.Module) -> list[AsymmetricLoRALinear]:
+    return [m for m in module.modules() if isinstance(m, AsymmetricLoRALinear) and m.n_poison > 0]
+
+
+@torch.no_grad()
+def poison_share(pl_module: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean routing weight of every expert over real tokens and adapted layers, routing unmasked -> ``(N,)``."""
+    layers = _poison_layers(pl_module)
+    modes = [m.mode for m in layers]
+    for m in layers:
+        m.set_mode("route")
+    try:
+        pl_module(input_ids, mask)
+        per_layer = []
+        for m in layers:
+            w = m.last_weights[:, -mask.shape[1]:]  # (b, s, N): real positions
+            per_layer.append((w * mask.unsqueeze(-1)).sum((0, 1)) / mask.sum())
+    finally:
+        for m, mode in zip(layers, modes, strict=True):
+            m.set_mode(mode)
+    return torch.stack(per_layer).mean(0)
+
+
+@register_method("lope", kind="Callback", paper=PAPER)
+class LoPEStageCallback(Callback):
+    """LoPE's two training stages and inference masking for every :class:`AsymmetricLoRALinear` with a poison expert.
+
+    The stage follows ``trainer.global_step`` (stage I before ``stage1_steps``, stage II after), re-applied at
+    every training batch, so a resumed run continues in the right stage. In the test loop it logs the per-expert
+    routing mass (routing unmasked) on clean inputs and, when the batches carry HyNoIse copies, on noisy ones:
+    ``test/poison_share_clean``, ``test/poison_share_noisy``, ``test/expert_mass_{clean,noisy}_<i>``.
+
+    Args:
+        stage1_steps: steps of stage I. Default: 150 (the CPU experiment: 150 + 150).
+        emb_alpha: HyNoIse embedding-noise bound in stage I. Default: 0.05 (paper).
+        mask_at_inference: mask ``B_D`` (with compensation) in validation and test; False keeps it (ablation). Default: True.
+        compensate_k: K of DyCompEnSate; None: every normal expert; 0: plain masking. Default: None.
+        compensate_beta: beta of DyCompEnSate. Default: 1.0.
+        allow_skip_stage1: accept ``stage1_steps=0`` (stage II with an untrained poisoning expert). Default: False.
+    """
+
+    def __init__(self, stage1_steps: int = 150, emb_alpha: float = 0.05, mask_at_inference: bool = True,
+                 compensate_k: int | None = None, compensate_beta: float = 1.0, allow_skip_stage1: bool = False) -> None:
+        if stage1_steps < 0 or (stage1_steps == 0 and not allow_skip_stage1):
+            raise ValueError(f"LoPEStageCallback: stage1_steps={stage1_steps}; allowed: an integer >= 1 (stage II needs the "
+                             "poisoning expert trained in stage I; allow_skip_stage1=true runs stage II alone)")
+        if emb_alpha < 0:
+            raise ValueError(f"LoPEStageCallback: emb_alpha={emb_alpha}; allowed: a float >= 0")
+        if compensate_k is not None and compensate_k < 0:
+            raise ValueError(f"LoPEStageCallback: compensate_k={compensate_k}; allowed: an integer >= 0 or null")
+        if compensate_beta <= 0:
+            raise ValueError(f"LoPEStageCallback: compensate_beta={compensate_beta}; allowed: a float > 0")
+        self.stage1_steps, self.noise = stage1_steps, HyNoIse(emb_alpha)
+        self.mask_at_inference, self.compensate_k, self.compensate_beta = mask_at_inference, compensate_k, compensate_beta
+        self.stage: int | None = None
+        self._mass: dict[str, list[torch.Tensor]] = {}
+
+    def _layers(self, pl_module: pl.LightningModule) -> list[AsymmetricLoRALinear]:
+        layers = _poison_layers(pl_module)
+        if not layers:
+            raise ValueError("LoPEStageCallback: the model has no AsymmetricLoRALinear with n_poison >= 1; set the model's "
+                             "adapter to lowrank_lit.nn.lora.AsymmetricLoRALinear with n_poison: 1")
+        return layers
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for m in self._layers(pl_module):
+            k = m.n_experts if self.compensate_k is None else self.compensate_k
+            if k > m.n_experts:
+                raise ValueError(f"LoPEStageCallback: compensate_k={k}; allowed: 0 <= compensate_k <= {m.n_experts} (normal experts)")
+            m.compensate_k, m.compensate_beta = k, self.compensate_beta
+
+    def apply_stage(self, pl_module: pl.LightningModule, stage: int) -> None:
+        """Set modes, trainable parameters, embedding noise and noisy-copy training for ``stage`` (1 or 2)."""
+        for m in self._layers(pl_module):
+            m.set_mode("poison_only" if stage == 1 else "route")
+            m.lora_A.requires_grad_(True)
+            for i, b in enumerate(m.lora_B):
+                b.requires_grad_((i in m.poison_index) == (stage == 1))
+            m.lora_router.requires_grad_(stage == 2)
+        pl_module.embed_noise = self.noise if stage == 1 else None
+        pl_module.train_on_noisy_copies = stage == 1
+        self.stage = stage
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.apply_stage(pl_module, 1 if trainer.global_step < self.stage1_steps else 2)
+
+    def _inference_mode(self, pl_module: pl.LightningModule) -> None:
+        for m in self._layers(pl_module):
+            m.set_mode("mask" if self.mask_at_inference else "route")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._inference_mode(pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._inference_mode(pl_module)
+        self._mass = {"clean": [], "noisy": []}
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._mass["clean"].append(poison_share(pl_module, batch[0], batch[1]) * batch[1].sum())
+        if len(batch) >= 6:
+            self._mass["noisy"].append(poison_share(pl_module, batch[4], batch[5]) * batch[5].sum())
+        self._mass.setdefault("tokens_clean", []).append(batch[1].sum().float())
+        if len(batch) >= 6:
+            self._mass.setdefault("tokens_noisy", []).append(batch[5].sum().float())
+        self._inference_mode(pl_module)
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for kind in ("clean", "noisy"):
+            if not self._mass.get(kind):
+                continue
+            total = trainer.strategy.reduce(torch.stack(self._mass[kind]).sum(0), reduce_op="sum")
+            tokens = trainer.strategy.reduce(torch.stack(self._mass[f"tokens_{kind}"]).sum(), reduce_op="sum")
+            mass = total / tokens  # (N,)
+            layer = self._layers(pl_module)[0]
+            pl_module.log(f"test/poison_share_{kind}", mass[layer.poison_index].sum())
+            for i, v in enumerate(mass.tolist()):
+                pl_module.log(f"test/expert_mass_{kind}_{i}", v)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.apply_stage(pl_module, 1 if trainer.global_step < self.stage1_steps else 2)
+
+
+def _label(cfg: dict[str, Any]) -> str:
+    """``LoRA``, ``HydraLoRA (3)``, ``LoPE (3+1, mask K=all)`` ... from a run's config."""
+    adapter = cfg["model"]["init_args"].get("adapter") or {}
+    args = adapter.get("init_args") or {}
+    name = str(adapter.get("class_path", "none")).rsplit(".", 1)[-1]
+    if name == "LoRALinear":
+        return f"LoRA (r={args.get('r', 8)})"
+    callbacks = cfg.get("trainer", {}).get("callbacks") or []
+    lope = [c for c in callbacks if isinstance(c, dict) and str(c.get("class_path", "")).endswith("LoPEStageCallback")]
+    experts = args.get("n_experts", 3)
+    if not lope or not args.get("n_poison", 1):
+        return f"HydraLoRA ({experts} B's)"
+    c = lope[0].get("init_args") or {}
+    k = c.get("compensate_k")
+    inference = "no mask" if c.get("mask_at_inference") is False else f"mask, K={'all' if k is None else k}"
+    return f"LoPE ({experts}+{args.get('n_poison', 1)}, {inference})"
+
+
+COLUMNS = ("test/acc", "test/poison_share_clean", "test/poison_share_noisy")
+
+
+@register_summary("lope")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Noisy templated sentiment runs (LoRA, HydraLoRA, LoPE and its ablations): clean test accuracy, B_D share."""
+    import os
+    import statistics
+
+    from lowrank_lit.report import find_runs, last_values, new_figure, read_config, save_figure
+
+    groups: dict[str, list[dict[str, float]]] = {}
+    for d in find_runs(roots, "metrics.csv", required=True):
+        values = last_values(os.path.join(d, "metrics.csv"))
+        if "test/acc" in values:
+            groups.setdefault(_label(read_config(d)), []).append(values)
+    if not groups:
+        raise FileNotFoundError(f"no finished LoPE-experiment run under {', '.join(roots)}")
+
+    def cell(runs: list[dict[str, float]], key: str) -> str:
+        xs = [r[key] for r in runs if key in r]
+        if not xs:
+            return "-"
+        scale, fmt = (100.0, "{:.1f}") if key == "test/acc" else (1.0, "{:.3f}")
+        text = fmt.format(scale * statistics.fmean(xs))
+        return f"{text} ± {fmt.format(scale * statistics.stdev(xs))}" if len(xs) > 1 else text
+
+    rows = [[k, len(v), f"{int(v[0].get('params/adapter', 0)):,}", *(cell(v, c) for c in COLUMNS)] for k, v in sorted(groups.items())]
+    if out:
+        fig, ax = new_figure(figsize=(1.8 * len(groups) + 1, 3.6))
+        labels = sorted(groups)
+        means = [100 * statistics.fmean(r["test/acc"] for r in groups[k]) for k in labels]
+        stds = [100 * statistics.stdev([r["test/acc"] for r in groups[k]]) if len(groups[k]) > 1 else 0.0 for k in labels]
+        ax.bar(range(len(labels)), means, yerr=stds, capsize=3)
+        ax.set_xticks(range(len(labels)), [k.replace(" (", "\n(") for k in labels], fontsize=7)
+        ax.set_ylabel("clean test accuracy (%)")
+        ax.set_ylim(min(means) - 5, 100)
+        ax.set_title("LoPE vs LoRA / HydraLoRA on noisy training data")
+        save_figure(fig, out)
+    return markdown_table(["method", "runs", "adapter params", "test acc (clean)", "B_D share clean", "B_D share noisy"], rows)

@@ -1,0 +1,225 @@
+"""LoPE (paper 07): stages, poisoning expert, HyNoIse, discrete ops, parameter count, resume across the switch."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+import torch
+
+from lowrank_lit.callbacks.rng import RNGStateCheckpoint
+from lowrank_lit.data.text_tasks import TemplatedTextDataModule, corrupt_text
+from lowrank_lit.methods.lope import HyNoIse, LoPEStageCallback, hynoise_embedding
+from lowrank_lit.models.text import PromptTunedClassifier
+from lowrank_lit.nn.lora import AsymmetricLoRALinear
+from tests.helpers import CONFIGS, quiet_trainer, run_cli, run_dirs, text_batch
+
+
+def _model(**adapter) -> PromptTunedClassifier:
+    torch.manual_seed(0)
+    args = {"r": 4, "n_experts": 3, "n_poison": 1} | adapter
+
+    def factory(lin):
+        return AsymmetricLoRALinear(lin, **args)
+
+    return PromptTunedClassifier(num_layers=1, adapter=factory, measure_attention=False, lr_adapter=1e-2)
+
+
+def _layers(model):
+    return [m for m in model.modules() if isinstance(m, AsymmetricLoRALinear)]
+
+
+def _data(**kw):
+    return TemplatedTextDataModule(domains=["sentiment"], n_train=96, n_val=32, n_test=32, corrupt_fraction=0.2,
+                                   label_noise=0.1, noisy_copy_rate=0.05, **kw)
+
+
+# ------------------------------------------------------------------------------------ 1. identity, 8. count
+def test_adapted_model_equals_base_at_init_and_count_per_layer():
+    ids, mask = text_batch()
+    base = PromptTunedClassifier(num_layers=1, measure_attention=False)
+    model = _model()
+    with torch.no_grad():
+        model.head.weight.normal_()
+        base.head.weight.copy_(model.head.weight)
+    assert torch.equal(model(ids, mask)[0], base(ids, mask)[0])
+    layers = _layers(model)
+    assert len(layers) == 2  # query and value of the one layer
+    r, d, N = 4, 384, 4
+    assert all(sum(p.numel() for n, p in m.named_parameters() if "lora_" in n) == r * d + N * d * r + r * N for m in layers)
+    assert model.parameter_counts()["adapter"] == 2 * (r * d + N * d * r + r * N)
+
+
+# ------------------------------------------------------------------------------------ 3. stage I
+def test_stage_one_trains_only_A_and_B_D():
+    # the head and every B start at zero: the head moves at step 0, B_D at step 1, A from step 2 on
+    model = _model()
+    cb = LoPEStageCallback(stage1_steps=3)
+    snap = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    quiet_trainer(max_steps=3, limit_val_batches=0, callbacks=[cb]).fit(model, _data())
+    for m in _layers(model):
+        assert m.lora_A.requires_grad and m.lora_B[3].requires_grad
+        assert not any(m.lora_B[i].requires_grad for i in range(3)) and not m.lora_router.weight.requires_grad
+    for n, p in model.named_parameters():
+        if "lora_" not in n:
+            continue
+        changed = not torch.equal(p, snap[n])
+        trained = n.endswith("lora_A") or n.endswith("lora_B.3")
+        assert changed == trained, n  # the normal B's and the router are bit-identical
+
+
+# ------------------------------------------------------------------------------------ 4. stage II
+class _SnapshotAt(__import__("lightning").pytorch.Callback):
+    """Copies of every adapter parameter at the first batch of ``step``."""
+
+    def __init__(self, step):
+        self.step, self.snap = step, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            self.snap = {n: p.detach().clone() for n, p in pl_module.named_parameters() if "lora_" in n}
+
+
+def test_stage_two_freezes_B_D_but_uses_it():
+    model = _model()
+    cb, snap = LoPEStageCallback(stage1_steps=3), _SnapshotAt(3)
+    quiet_trainer(max_steps=6, limit_val_batches=0, callbacks=[cb, snap]).fit(model, _data())
+    assert cb.stage == 2
+    for n, p in model.named_parameters():
+        if "lora_B.3" in n:
+            assert torch.equal(p, snap.snap[n]), n  # B_D frozen through stage II
+        elif "lora_B.0" in n or "lora_router" in n:
+            assert not torch.equal(p, snap.snap[n]), n  # normal experts and router train
+    ids, mask = text_batch()
+    model.eval()
+    for m in _layers(model):
+        m.set_mode("route")
+    out = model(ids, mask)[0]
+    with torch.no_grad():
+        for m in _layers(model):
+            m.lora_B[3].zero_()
+    assert not torch.allclose(model(ids, mask)[0], out)  # B_D takes part in the stage-II forward
+
+
+def test_resume_across_the_stage_switch_is_exact(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps, ckpt=None, save=False):
+        torch.manual_seed(0)
+        model = _model()
+        cbs = [LoPEStageCallback(stage1_steps=3), RNGStateCheckpoint()]  # HyNoIse draws from the global RNG
+        if save:
+            cbs.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1))
+        quiet_trainer(max_steps=max_steps, limit_val_batches=0, callbacks=cbs, enable_checkpointing=save,
+                      deterministic=True).fit(model, _data(), ckpt_path=ckpt)
+        return model
+
+    full = run(5)
+    run(2, save=True)  # stops in stage I, checkpoint at step 2
+    ckpt = next(tmp_path.glob("*step=2*.ckpt"))
+    resumed = run(5, ckpt=str(ckpt))
+    for (n, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+# ------------------------------------------------------------------------------------ 5. inference masking
+def test_inference_masks_B_D_and_compensation_sums():
+    model = _model()
+    cb = LoPEStageCallback(stage1_steps=1, compensate_k=0)
+    cb.setup(None, model, "fit")
+    with torch.no_grad():
+        for m in _layers(model):
+            for b in m.lora_B:
+                b.normal_()
+    cb._inference_mode(model)
+    ids, mask = text_batch()
+    model(ids, mask)
+    for m in _layers(model):
+        w = m.last_weights
+        assert bool((w[..., 3] == 0).all())
+        m.set_mode("route")
+        model(ids, mask)
+        raw = m.last_weights
+        m.set_mode("mask")
+        torch.testing.assert_close(w.sum(-1), 1 - raw[..., 3])
+    LoPEStageCallback(stage1_steps=1, compensate_k=3).setup(None, model, "fit")
+    model(ids, mask)
+    for m in _layers(model):
+        torch.testing.assert_close(m.last_weights.sum(-1), torch.ones(m.last_weights.shape[:-1]))
+
+
+# ------------------------------------------------------------------------------------ 6. HyNoIse embedding
+def test_hynoise_embedding_bounds_mask_and_reproducibility():
+    E = torch.randn(2, 6, 8)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = hynoise_embedding(E, mask, 0.05, g1)
+    assert torch.equal(a[0, 3:], E[0, 3:])  # no noise on padding
+    assert float((a - E).abs().max()) <= 0.05 and float((a - E).abs().max()) > 0
+    assert torch.equal(a, HyNoIse(0.05, g2)(E, mask))
+    assert torch.equal(hynoise_embedding(E, mask, 0.0), E)
+
+
+# ------------------------------------------------------------------------------------ 7. discrete ops
+def test_discrete_ops():
+    text = "the concert was absolutely wonderful tonight ."
+    for seed in range(5):
+        assert len(corrupt_text(text, 0.2, random.Random(seed), ["delete"])) < len(text)
+        assert len(corrupt_text(text, 0.2, random.Random(seed), ["insert"])) > len(text)
+        assert sorted(corrupt_text(text, 0.5, random.Random(seed), ["shuffle"]).split()) == sorted(text.split())
+        assert corrupt_text(text, 0.0, random.Random(seed)) == text
+    a = TemplatedTextDataModule(domains=["sentiment"], corrupt_fraction=0.2, noisy_copy_rate=0.05)
+    b = TemplatedTextDataModule(domains=["sentiment"], corrupt_fraction=0.2, noisy_copy_rate=0.05)
+    assert a.texts() == b.texts()
+    texts = [t for t, _, _ in a.texts()["test"]]
+    assert a.noisy_copies(texts, "test") == b.noisy_copies(texts, "test") != texts
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+def test_bad_inputs():
+    lin = torch.nn.Linear(16, 16)
+    with pytest.raises(ValueError, match="n_poison=3"):
+        AsymmetricLoRALinear(lin, n_experts=3, n_poison=3)
+    with pytest.raises(ValueError, match="r=0"):
+        AsymmetricLoRALinear(lin, r=0)
+    with pytest.raises(ValueError, match="compensate_k=4"):
+        AsymmetricLoRALinear(lin, n_experts=3, compensate_k=4)
+    with pytest.raises(ValueError, match="compensate_beta=0"):
+        LoPEStageCallback(compensate_beta=0)
+    with pytest.raises(ValueError, match="emb_alpha=-0.1"):
+        LoPEStageCallback(emb_alpha=-0.1)
+    with pytest.raises(ValueError, match="stage1_steps=0"):
+        LoPEStageCallback(stage1_steps=0)
+    LoPEStageCallback(stage1_steps=0, allow_skip_stage1=True)
+    with pytest.raises(ValueError, match="rate=1.5"):
+        corrupt_text("a b", 1.5, random.Random(0))
+    with pytest.raises(ValueError, match="per-token routing"):
+        AsymmetricLoRALinear(lin).merge()
+    with pytest.raises(ValueError, match="compensate_k=5"):
+        LoPEStageCallback(compensate_k=5).setup(None, _model(), "fit")
+    with pytest.raises(ValueError, match="no AsymmetricLoRALinear"):
+        LoPEStageCallback().setup(None, PromptTunedClassifier(num_layers=1), "fit")
+    with pytest.raises(ValueError, match="adapter_targets: pattern matches no module"):
+        PromptTunedClassifier(num_layers=1, adapter=lambda lin: AsymmetricLoRALinear(lin), adapter_targets=["*.q_proj"])
+
+
+# ------------------------------------------------------------------------------------ must show
+@pytest.mark.slow
+def test_must_show_lope(tmp_path):
+    """What the measurement supports over 3 seeds: the poisoning expert takes a larger routing share on noisy than on
+    clean inputs (the paper's mechanism), in every run; LoPE's clean accuracy is reported beside LoRA/HydraLoRA
+    (docs/methods/lope.md) and asserted no lower than HydraLoRA's minus one std."""
+    from lowrank_lit.report import last_values
+
+    res: dict[str, list[dict[str, float]]] = {}
+    for name in ("lope", "hydralora"):
+        for seed in (0, 1, 2):
+            root = tmp_path / name / str(seed)
+            assert run_cli("fit", "--config", CONFIGS / "lope" / f"{name}.yaml", f"--seed_everything={seed}",
+                           "--trainer.enable_progress_bar=false", run_root=root) == 0
+            res.setdefault(name, []).append(last_values(run_dirs(root)[0] / "metrics.csv"))
+    for r in res["lope"]:
+        assert r["test/poison_share_noisy"] > r["test/poison_share_clean"]
+    acc = {k: [r["test/acc"] for r in v] for k, v in res.items()}
+    assert statistics.fmean(acc["lope"]) >= statistics.fmean(acc["hydralora"]) - statistics.stdev(acc["hydralora"])
