@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lowrank_lit.nn.lora import AsymmetricLoRALinear
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, register_summary
+from lowrank_lit.report import register_summary
 
 __all__ = ["LoPEStageCallback", "HyNoIse", "hynoise_embedding", "poison_share"]
 
@@ -219,37 +219,7 @@ COLUMNS = ("test/acc", "test/poison_share_clean", "test/poison_share_noisy")
 @register_summary("lope")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Noisy templated sentiment runs (LoRA, HydraLoRA, LoPE and its ablations): clean test accuracy, B_D share."""
-    import os
-    import statistics
+    from lowrank_lit.models.text import prompt_runs_table
 
-    from lowrank_lit.report import find_runs, last_values, new_figure, read_config, save_figure
-
-    groups: dict[str, list[dict[str, float]]] = {}
-    for d in find_runs(roots, "metrics.csv", required=True):
-        values = last_values(os.path.join(d, "metrics.csv"))
-        if "test/acc" in values:
-            groups.setdefault(_label(read_config(d)), []).append(values)
-    if not groups:
-        raise FileNotFoundError(f"no finished LoPE-experiment run under {', '.join(roots)}")
-
-    def cell(runs: list[dict[str, float]], key: str) -> str:
-        xs = [r[key] for r in runs if key in r]
-        if not xs:
-            return "-"
-        scale, fmt = (100.0, "{:.1f}") if key == "test/acc" else (1.0, "{:.3f}")
-        text = fmt.format(scale * statistics.fmean(xs))
-        return f"{text} ± {fmt.format(scale * statistics.stdev(xs))}" if len(xs) > 1 else text
-
-    rows = [[k, len(v), f"{int(v[0].get('params/adapter', 0)):,}", *(cell(v, c) for c in COLUMNS)] for k, v in sorted(groups.items())]
-    if out:
-        fig, ax = new_figure(figsize=(1.8 * len(groups) + 1, 3.6))
-        labels = sorted(groups)
-        means = [100 * statistics.fmean(r["test/acc"] for r in groups[k]) for k in labels]
-        stds = [100 * statistics.stdev([r["test/acc"] for r in groups[k]]) if len(groups[k]) > 1 else 0.0 for k in labels]
-        ax.bar(range(len(labels)), means, yerr=stds, capsize=3)
-        ax.set_xticks(range(len(labels)), [k.replace(" (", "\n(") for k in labels], fontsize=7)
-        ax.set_ylabel("clean test accuracy (%)")
-        ax.set_ylim(min(means) - 5, 100)
-        ax.set_title("LoPE vs LoRA / HydraLoRA on noisy training data")
-        save_figure(fig, out)
-    return markdown_table(["method", "runs", "adapter params", "test acc (clean)", "B_D share clean", "B_D share noisy"], rows)
+    return prompt_runs_table(roots, COLUMNS, out=out, title="LoPE vs LoRA / HydraLoRA on noisy training data",
+                             label=_label, first="method", params=("params/adapter",))

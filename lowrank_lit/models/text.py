@@ -633,14 +633,19 @@ def prompt_label(prompt: dict[str, Any] | None) -> str:
     return f"{str(prompt['class_path']).rsplit('.', 1)[-1]}({shown})"
 
 
-def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | None = None, title: str = "") -> str:
-    """Markdown table of prompt-tuning runs: one row per experiment, mean +/- std over its runs.
+def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | None = None, title: str = "",
+                      label: Callable[[dict[str, Any]], str] | None = None, first: str = "prompt",
+                      params: tuple[str, ...] = ("params/prompt", "params/head")) -> str:
+    """Markdown table of frozen-backbone tuning runs: one row per method, mean +/- std over its runs.
 
     Args:
-        roots: run roots searched for finished runs (a ``metrics.csv`` with every column).
-        columns: metrics to report (``test/...``, ``time/epoch_s``); missing ones print as ``-``.
+        roots: run roots searched for finished runs (a ``metrics.csv`` with ``columns[0]``).
+        columns: metrics to report (``test/...``); accuracies print in %, the rest with 3 decimals; missing: ``-``.
         out: also save a bar plot of the first column (mean +/- std) here.
         title: the plot's title.
+        label: ``config -> row label``; default: :func:`prompt_label` of the run's prompt.
+        first: header of the label column.
+        params: parameter-count metrics shown after the run count.
     """
     import os
     import statistics
@@ -659,8 +664,9 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
         values = last_values(os.path.join(d, "metrics.csv"))
         if columns[0] not in values:
             continue  # unfinished run
-        label = prompt_label(read_config(d)["model"]["init_args"].get("prompt"))
-        groups.setdefault(label, []).append(values)
+        cfg = read_config(d)
+        name = label(cfg) if label is not None else prompt_label(cfg["model"]["init_args"].get("prompt"))
+        groups.setdefault(name, []).append(values)
     if not groups:
         raise FileNotFoundError(f"no finished prompt-tuning run (with {columns[0]}) under {', '.join(roots)}")
 
@@ -675,9 +681,9 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
         mean = fmt.format(scale * statistics.fmean(xs))
         return f"{mean} ± {fmt.format(scale * statistics.stdev(xs))}" if len(xs) > 1 else mean
 
-    header = ["prompt", "runs", "prompt params", "head params", *columns]
-    rows = [[label, len(runs), cell(runs, "params/prompt"), cell(runs, "params/head"), *(cell(runs, c) for c in columns)]
-            for label, runs in sorted(groups.items())]
+    header = [first, "runs", *(p.split("/", 1)[1] + " params" for p in params), *columns]
+    rows = [[name, len(runs), *(cell(runs, p) for p in params), *(cell(runs, c) for c in columns)]
+            for name, runs in sorted(groups.items())]
     if out:
         import textwrap
 
@@ -689,7 +695,7 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
         ax.set_xticks(range(len(labels)), [textwrap.fill(k.replace("(", " (").replace(", ", " "), 18) for k in labels],
                       fontsize=7)
         ax.set_ylabel(columns[0])
-        ax.set_ylim(min(means) - 0.1, 1.0)
+        ax.set_ylim(max(0.0, min(means) - 0.1), 1.0)
         ax.set_title(title)
         save_figure(fig, out)
     return markdown_table(header, rows)
