@@ -58,7 +58,7 @@ def test_trainable_count_is_L_times_H_and_backbone_gets_no_grad(batch):
     cap = _capsule()
     assert cap.trainable_count() == 3 * 384 == cap.expected_count()
     clf = PromptTunedClassifier(num_layers=6, prompt=CapsulePrompt(6, 384))
-    assert clf.parameter_counts() == {"prompt": 2304, "head": 770, "backbone": 0}
+    assert clf.parameter_counts() == {"prompt": 2304, "adapter": 0, "head": 770, "backbone": 0}
     enc = PromptedBackbone(model, cap)
     enc(*batch).hidden.sum().backward()
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
