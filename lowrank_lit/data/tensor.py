@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +29,9 @@ class TensorDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers. Default: 0.
         shuffle: shuffle the training split each epoch. Default: True.
     """
+
+    #: how a list of samples becomes a batch (a module-level function, so workers can pickle it); None: stacking.
+    collate_fn: Callable[[list[tuple[torch.Tensor, ...]]], Any] | None = None
 
     def __init__(
         self,
@@ -71,7 +75,8 @@ class TensorDataModule(pl.LightningDataModule):
         dataset = self._splits.get(name)
         if dataset is None:
             raise ValueError(f"TensorDataModule: no {name!r} split was given")
-        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers)
+        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+                                   collate_fn=self.collate_fn)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=self.shuffle)

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from lowrank_lit.data.loader import ResumableDataLoader
 from lowrank_lit.data.tensor import TensorDataModule
 
 __all__ = ["TemplatedTextDataModule", "TextClassificationDataModule", "QADataModule", "collate_qa", "templated_examples",
@@ -342,6 +341,8 @@ class QADataModule(TensorDataModule):
         self.paths = {"train": train_path, "val": val_path}
         self.tokenizer_name, self.max_length = tokenizer, max_length
 
+    collate_fn = staticmethod(collate_qa)
+
     @staticmethod
     def encode(tokenizer: Any, records: list[dict[str, Any]], max_length: int) -> tuple[torch.Tensor, ...]:
         """``(input_ids, attention_mask, labels, instance_mask)``, each ``(n, max_length)``, right-padded."""
@@ -376,10 +377,3 @@ class QADataModule(TensorDataModule):
 
         tokenizer = load_tokenizer(self.tokenizer_name)
         return {k: (self.encode(tokenizer, _read_records(p), self.max_length) if p else None) for k, p in self.paths.items()}
-
-    def _loader(self, name: str, shuffle: bool = False) -> ResumableDataLoader:
-        dataset = self._splits.get(name)
-        if dataset is None:
-            raise ValueError(f"QADataModule: no {name!r} split was given")
-        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                                   collate_fn=collate_qa)

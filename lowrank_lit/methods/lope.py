@@ -127,7 +127,7 @@ class LoPEStageCallback(Callback):
         self.stage1_steps, self.noise = stage1_steps, HyNoIse(emb_alpha)
         self.mask_at_inference, self.compensate_k, self.compensate_beta = mask_at_inference, compensate_k, compensate_beta
         self.stage: int | None = None
-        self._mass: dict[str, list[torch.Tensor]] = {}
+        self._mass: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _layers(self, pl_module: pl.LightningModule) -> list[AsymmetricLoRALinear]:
         layers = _poison_layers(pl_module)
@@ -167,33 +167,28 @@ class LoPEStageCallback(Callback):
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._inference_mode(pl_module)
-        self._mass = {"clean": [], "noisy": []}
+        self._mass = {"clean": [], "noisy": []}  # per batch: (routing mass * tokens (N,), tokens)
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._mass["clean"].append(poison_share(pl_module, batch[0], batch[1]) * batch[1].sum())
+        inputs = {"clean": (batch[0], batch[1])}
         if len(batch) >= 6:
-            self._mass["noisy"].append(poison_share(pl_module, batch[4], batch[5]) * batch[5].sum())
-        self._mass.setdefault("tokens_clean", []).append(batch[1].sum().float())
-        if len(batch) >= 6:
-            self._mass.setdefault("tokens_noisy", []).append(batch[5].sum().float())
-        self._inference_mode(pl_module)
+            inputs["noisy"] = (batch[4], batch[5])
+        for kind, (ids, mask) in inputs.items():
+            tokens = mask.sum().float()
+            self._mass[kind].append((poison_share(pl_module, ids, mask) * tokens, tokens))
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for kind in ("clean", "noisy"):
-            if not self._mass.get(kind):
+        poison = self._layers(pl_module)[0].poison_index
+        for kind, rows in self._mass.items():
+            if not rows:
                 continue
-            total = trainer.strategy.reduce(torch.stack(self._mass[kind]).sum(0), reduce_op="sum")
-            tokens = trainer.strategy.reduce(torch.stack(self._mass[f"tokens_{kind}"]).sum(), reduce_op="sum")
+            total = trainer.strategy.reduce(torch.stack([m for m, _ in rows]).sum(0), reduce_op="sum")
+            tokens = trainer.strategy.reduce(torch.stack([t for _, t in rows]).sum(), reduce_op="sum")
             mass = total / tokens  # (N,)
-            layer = self._layers(pl_module)[0]
-            pl_module.log(f"test/poison_share_{kind}", mass[layer.poison_index].sum())
+            pl_module.log(f"test/poison_share_{kind}", mass[poison].sum())
             for i, v in enumerate(mass.tolist()):
                 pl_module.log(f"test/expert_mass_{kind}_{i}", v)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.apply_stage(pl_module, 1 if trainer.global_step < self.stage1_steps else 2)
-
 
 def _label(cfg: dict[str, Any]) -> str:
     """``LoRA``, ``HydraLoRA (3)``, ``LoPE (3+1, mask K=all)`` ... from a run's config."""

@@ -34,7 +34,7 @@ from lowrank_lit.nn.prompts import (
     TextEmbedder,
     check_arg,
     svd_init_prompt,
-    text_matrix,
+    text_svd_factors,
 )
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import register_summary
@@ -82,13 +82,9 @@ class DecomposedMoEPrompt(PromptModule):
         self.prompt_B = nn.Parameter(torch.randn(rank, hidden) * init_std)  # (R, H)
         self.router = PromptRouter(n_experts, hidden, noise_std, routing, noise="multiplicative")
 
-    @property
-    def n_tokens(self) -> int:
-        return self.prompt_len
-
     def initialize(self, embed_text: TextEmbedder) -> None:
         if self.init_text is not None:
-            A, B = svd_init_prompt(text_matrix(embed_text, self.init_text, self.prompt_len, "DecomposedMoEPrompt"), self.rank)
+            A, B = text_svd_factors(embed_text, self.init_text, self.prompt_len, self.rank, "DecomposedMoEPrompt")
             with torch.no_grad():
                 self.prompt_A.copy_(A.unsqueeze(0).expand_as(self.prompt_A))
                 self.prompt_B.copy_(B)

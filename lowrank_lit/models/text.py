@@ -244,6 +244,11 @@ class PromptedBackbone(nn.Module):
                 return self.word_embeddings(torch.tensor(ids, dtype=torch.long)).float()
         return embed
 
+    def init_prompt_from_text(self, tokenizer: str) -> None:
+        """Run the prompt's text initialisation (its ``init_text``) with this backbone's word embeddings."""
+        if self.prompt is not None and getattr(self.prompt, "init_text", None) is not None:
+            self.prompt.initialize(self.embed_text(load_tokenizer(tokenizer)))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, instance_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, output_attentions: bool = False,
                 embed_noise: Any = None) -> PromptedOutput:
@@ -301,16 +306,16 @@ class PromptedBackbone(nn.Module):
 def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
     """Share of samples sent to their domain's majority expert (1.0: every domain has one expert).
 
+    The cluster purity of :func:`lowrank_lit.tta.module.purity` with the domains as clusters.
+
     Args:
         expert: ``(n,)`` chosen expert per sample. domain: ``(n,)`` domain id per sample.
     """
+    from lowrank_lit.tta.module import purity
+
     if expert.numel() == 0:
         raise ValueError("routing_purity: no samples")
-    hits = 0
-    for d in domain.unique():
-        chosen = expert[domain == d]
-        hits += int(torch.bincount(chosen).max())
-    return hits / expert.numel()
+    return purity(domain.tolist(), expert.tolist())
 
 
 class PromptTunedClassifier(pl.LightningModule):
@@ -387,8 +392,7 @@ class PromptTunedClassifier(pl.LightningModule):
             self.adapted = inject_adapters(model, targets, adapter, owner="PromptTunedClassifier: adapter_targets")
         self.lr_adapter = lr_adapter
         self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
-        if prompt is not None and _has_init_text(prompt):
-            prompt.initialize(self.encoder.embed_text(load_tokenizer(backbone)))
+        self.encoder.init_prompt_from_text(backbone)
         self.head = nn.Linear(self.encoder.hidden_size, num_classes)
         nn.init.zeros_(self.head.weight)  # the same head start for every prompt method (and no init noise)
         nn.init.zeros_(self.head.bias)
@@ -502,19 +506,18 @@ class PromptTunedClassifier(pl.LightningModule):
             return
         pred, y, domain = self._gather("pred"), self._gather("y"), self._gather("domain")
         names = self.domain_names or getattr(getattr(self.trainer, "datamodule", None), "domain_names", None)
+        domains = {d: names[d] if names is not None and d < len(names) else f"d{d}" for d in domain.unique().tolist()}
         accs = []
-        for d in domain.unique().tolist():
+        for d, name in domains.items():
             sel = domain == d
             acc = (pred[sel] == y[sel]).float().mean()
             accs.append(acc)
-            name = names[d] if names is not None and d < len(names) else f"d{d}"
             self.log(f"test/acc_{name}", acc)
         self.log("test/mean_domain_acc", torch.stack(accs).mean())
         if rec["routing"]:
             expert = self._gather("routing")
             self.log("test/routing_purity", routing_purity(expert, domain))
-            for d in domain.unique().tolist():  # purity is 1 under collapse too: show which expert each domain uses
-                name = names[d] if names is not None and d < len(names) else f"d{d}"
+            for d, name in domains.items():  # purity is 1 under collapse too: show which expert each domain uses
                 self.log(f"test/majority_expert_{name}", float(torch.bincount(expert[domain == d]).argmax()))
             counts = torch.bincount(expert, minlength=int(self.prompt.router.n_experts)).float()
             for i, c in enumerate((counts / counts.sum()).tolist()):
@@ -536,10 +539,6 @@ class PromptTunedClassifier(pl.LightningModule):
             if params:
                 groups.append({"params": params, "lr": self.lr_prompt})
         return torch.optim.AdamW(groups, weight_decay=self.weight_decay)
-
-
-def _has_init_text(prompt: PromptModule) -> bool:
-    return getattr(prompt, "init_text", None) is not None
 
 
 class PromptTunedLM(pl.LightningModule):
@@ -575,8 +574,7 @@ class PromptTunedLM(pl.LightningModule):
         disable_dropout(model)
         model.train()
         self.lm = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
-        if prompt is not None and _has_init_text(prompt):
-            prompt.initialize(self.lm.embed_text(load_tokenizer(tokenizer or backbone)))
+        self.lm.init_prompt_from_text(tokenizer or backbone)
         self.lr, self.warmup_steps = lr, warmup_steps
 
     @property

@@ -39,7 +39,7 @@ from torch import nn
 
 __all__ = [
     "PromptModule", "SoftPrompt", "DecomposedPrompt", "SMoPPrompt", "DeepPrompt", "PromptRouter", "masked_mean",
-    "svd_init_prompt", "text_matrix", "anchor_attention_share", "describe", "ROUTING_MODES",
+    "svd_init_prompt", "text_matrix", "text_svd_factors", "anchor_attention_share", "describe", "ROUTING_MODES",
 ]
 
 #: PT-MoE routing modes: the paper's default and its two ablations.
@@ -98,6 +98,11 @@ def text_matrix(embed_text: TextEmbedder, text: str, length: int, who: str) -> t
     return E.repeat(reps, 1)[:length].detach().clone()
 
 
+def text_svd_factors(embed_text: TextEmbedder, text: str, length: int, rank: int, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`svd_init_prompt` of the ``(length, H)`` word embeddings of ``text`` (see :func:`text_matrix`)."""
+    return svd_init_prompt(text_matrix(embed_text, text, length, who), rank)
+
+
 def check_arg(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -124,8 +129,9 @@ class PromptModule(nn.Module):
         self.last_routing: torch.Tensor | None = None
 
     @property
-    def n_tokens(self) -> int:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+    def n_tokens(self) -> int:
+        """Slots in front of the input: ``prompt_len`` (subclasses with another layout override this)."""
+        return self.prompt_len
 
     @property
     def deep(self) -> bool:
@@ -176,10 +182,6 @@ class SoftPrompt(PromptModule):
         self.init_text = init_text
         self.prompt_embeddings = nn.Parameter(torch.randn(prompt_len, hidden) * init_std)  # (T, H)
 
-    @property
-    def n_tokens(self) -> int:
-        return self.prompt_len
-
     def initialize(self, embed_text: TextEmbedder) -> None:
         if self.init_text is not None:
             with torch.no_grad():
@@ -216,13 +218,9 @@ class DecomposedPrompt(PromptModule):
         self.prompt_A = nn.Parameter(torch.randn(prompt_len, rank) * init_std)  # (T, R)
         self.prompt_B = nn.Parameter(torch.randn(rank, hidden) * init_std)  # (R, H)
 
-    @property
-    def n_tokens(self) -> int:
-        return self.prompt_len
-
     def initialize(self, embed_text: TextEmbedder) -> None:
         if self.init_text is not None:
-            A, B = svd_init_prompt(text_matrix(embed_text, self.init_text, self.prompt_len, "DecomposedPrompt"), self.rank)
+            A, B = text_svd_factors(embed_text, self.init_text, self.prompt_len, self.rank, "DecomposedPrompt")
             with torch.no_grad():
                 self.prompt_A.copy_(A)
                 self.prompt_B.copy_(B)
@@ -296,10 +294,6 @@ class SMoPPrompt(PromptModule):
         self.prompt_embeddings = nn.Parameter(torch.randn(n_prompts, prompt_len, hidden) * init_std)  # (N, T, H)
         self.router = PromptRouter(n_prompts, hidden, noise_std, "selective_prob", noise="additive")
 
-    @property
-    def n_tokens(self) -> int:
-        return self.prompt_len
-
     def input_prompt(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         w = self.router(embeds, mask)  # (b, N)
         self.last_routing = w.detach()
@@ -330,10 +324,6 @@ class DeepPrompt(PromptModule):
         check_arg(prompt_len >= 1, f"DeepPrompt: prompt_len={prompt_len}; allowed: an integer >= 1")
         self.num_layers, self.prompt_len = num_layers, prompt_len
         self.prompt_deep = nn.Parameter(torch.randn(num_layers, prompt_len, hidden) * init_std)  # (L, m, H)
-
-    @property
-    def n_tokens(self) -> int:
-        return self.prompt_len
 
     def layer_prompt(self, layer: int, hidden: torch.Tensor, mask: torch.Tensor,
                      instance_mask: torch.Tensor | None = None) -> torch.Tensor:
