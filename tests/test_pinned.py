@@ -88,6 +88,7 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
     "pt_moe": (_fit("pt_moe/templated_ptmoe.yaml"), [0.6931473016738892, 0.6936666965484619, 0.6939730644226074]),
     "capt": (_fit("capt/templated_capt.yaml"), [0.6931473016738892, 0.705845832824707, 0.693983793258667]),
     "lope": (_fit("lope/lope.yaml"), [0.6931473016738892, 0.6915919780731201, 0.6961106657981873]),
+    "bayes_prefix": (_fit("bayes_prefix/pretrain_transformer.yaml"), [68.13843536376953, 64.33965301513672, 63.65904998779297]),
     "icl_rank_retriever": (_fit("icl_rank_retriever/synthetic_hybrid.yaml"), [5.87391996383667, 5.630967140197754, 5.524951457977295]),
     "pinv_bounds": (_pinv, [9.53239879028542, 3.793205535636699, 0.5225886098338843]),
 }
