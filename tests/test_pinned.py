@@ -90,6 +90,7 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
     "lope": (_fit("lope/lope.yaml"), [0.6931473016738892, 0.6915919780731201, 0.6961106657981873]),
     "bayes_prefix": (_fit("bayes_prefix/pretrain_transformer.yaml"), [68.13843536376953, 64.33965301513672, 63.65904998779297]),
     "icl_rank_retriever": (_fit("icl_rank_retriever/synthetic_hybrid.yaml"), [5.87391996383667, 5.630967140197754, 5.524951457977295]),
+    "masked_block_icl": (_fit("masked_block_icl/unconstrained.yaml"), [0.19583538174629211, 0.1905636042356491, 0.16884338855743408]),
     "pinv_bounds": (_pinv, [9.53239879028542, 3.793205535636699, 0.5225886098338843]),
 }
 

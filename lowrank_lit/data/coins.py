@@ -10,11 +10,9 @@ Sources over ``V`` symbols (``V = 2``: coins):
   components computed in log space (log-sum-exp).
 
 :func:`bayes_log_predictive` returns ``(B, T, V)`` log probabilities of ``x_t`` given ``x_{<t}`` (and an optional
-prefix, which is simply conditioned on first). :class:`CoinFlipDataModule` generates sequences on the fly: batch
-``i`` of an epoch comes from its own generator seeded by ``(seed, epoch, i)``, so a resumed run redraws the same
-batches, and under DDP each rank (which Lightning's distributed sampler gives other indices) has its own stream
-(the distributed sampler reorders the same ``batches_per_epoch`` indices every epoch: raise it rather than
-the number of epochs).
+prefix, which is simply conditioned on first). :class:`CoinFlipDataModule` generates sequences on the fly
+(:class:`~lowrank_lit.data.stream.SeededBatches`: batch ``i`` of epoch ``e`` from its own seed, so a resumed run
+redraws the same batches and every DDP rank has its own stream).
 """
 
 from __future__ import annotations
@@ -27,9 +25,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import Dataset, Sampler
 
 from lowrank_lit.data.loader import ResumableDataLoader
+from lowrank_lit.data.stream import SeededBatches, stream_loader
 
 __all__ = ["SOURCES", "CoinSource", "bayes_log_predictive", "CoinFlipDataModule", "check_tokens"]
 
@@ -181,37 +179,6 @@ def bayes_log_predictive(source: CoinSource, seqs: torch.Tensor, prefix: torch.T
     return torch.logsumexp(post[..., :, None] + log_b, dim=-2)  # (B, T, V)
 
 
-class _Batches(Dataset):
-    """Item ``i``: a whole batch ``(batch_size, length)`` drawn from a generator seeded by ``(seed, epoch, i)``."""
-
-    def __init__(self, source: CoinSource, n_batches: int, batch_size: int, length: int, seed: int) -> None:
-        self.source, self.n, self.batch_size, self.length, self.seed = source, n_batches, batch_size, length, seed
-        self.epoch = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
-        return self.source.sample(self.batch_size, self.length, g)
-
-
-class _EpochSampler(Sampler[int]):
-    """Batch indices ``0..n-1`` in order; ``set_epoch`` (called by Lightning each epoch) gives the dataset fresh draws."""
-
-    def __init__(self, dataset: _Batches) -> None:
-        self.dataset = dataset
-
-    def set_epoch(self, epoch: int) -> None:
-        self.dataset.epoch = int(epoch)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __iter__(self) -> Any:
-        return iter(range(len(self.dataset)))
-
-
 class CoinFlipDataModule(pl.LightningDataModule):
     """Coin (or dice) sequences generated on the fly.
 
@@ -243,7 +210,7 @@ class CoinFlipDataModule(pl.LightningDataModule):
         self.length, self.batch_size, self.batches_per_epoch = length, batch_size, batches_per_epoch
         self.eval_length, self.eval_sequences, self.eval_batch_size = eval_length, eval_sequences, eval_batch_size
         self.data_seed = data_seed
-        self._train: _Batches | None = None
+        self._train: SeededBatches | None = None
         self._eval: torch.Tensor | None = None
 
     @property
@@ -257,12 +224,15 @@ class CoinFlipDataModule(pl.LightningDataModule):
         if self._train is not None:
             return
         seed = self._seed()
-        self._train = _Batches(self.source, self.batches_per_epoch, self.batch_size, self.length, seed)
+        self._train = SeededBatches(self._draw, self.batches_per_epoch, seed)
         self._eval = self.source.sample(self.eval_sequences, self.eval_length, torch.Generator().manual_seed(seed + 7919))
+
+    def _draw(self, generator: torch.Generator) -> torch.Tensor:
+        return self.source.sample(self.batch_size, self.length, generator)  # (B, T)
 
     def train_dataloader(self) -> Any:
         assert self._train is not None
-        return ResumableDataLoader(self._train, batch_size=None, sampler=_EpochSampler(self._train))
+        return stream_loader(self._train)
 
     def _eval_loader(self) -> Any:
         assert self._eval is not None
