@@ -278,9 +278,9 @@ class MaskedBlockICL(pl.LightningModule):
                 res = extract_algorithm(self.model, sample[0].to(self.device))
                 for key in ("qk_diag_ratio", "vp_ratio", "eta", "gamma", "gamma_over_eta", "activation_mse"):
                     self.log(f"test/extract_{key}", float(res[key]))
-                rows = [{"layer": i, **{k: float(v) for k, v in layer.items()}} for i, layer in enumerate(res["layers"])]
-                save_rows(self.trainer, rows, "extraction.csv")
-                if self.trainer.default_root_dir:
+                if self.trainer.loggers:  # a run directory (not a bare Trainer in someone's working directory)
+                    rows = [{"layer": i, **{k: float(v) for k, v in layer.items()}} for i, layer in enumerate(res["layers"])]
+                    save_rows(self.trainer, rows, "extraction.csv")
                     plot_weights(res, os.path.join(self.trainer.default_root_dir, "weights.png"))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
