@@ -1,0 +1,222 @@
+"""A small pure-torch VMamba: SS2D with four scan directions and re-assignable traversals.
+
+SS2D (VMamba v2 form, no z-gate, ``ssm_ratio`` 1): ``x (B, C, H, W)`` -> 1x1 ``in_proj`` -> depthwise 3x3 conv ->
+SiLU -> :func:`cross_scan` into four sequences of length ``L = H W`` (row-major, column-major, and both
+reversed) -> one selective-scan parameter group per sequence -> :func:`cross_merge` (undo the flips and
+transposes, sum) -> ``out_norm`` (LayerNorm) -> ``out_proj``.
+
+Selective scan of group ``k``: ``[dt, B, C] = x_proj[k] u``, ``Delta = softplus(dt_proj[k] dt + b_dt[k])``,
+``A = -exp(A_log[k])``; ``h_l = exp(Delta_l A) * h_{l-1} + Delta_l B_l u_l``, ``y_l = C_l . h_l + D_k u_l``.
+:func:`selective_scan_ref` runs the recurrence step by step; :func:`selective_scan` computes the same with
+``mambapy``'s parallel (Blelloch) scan (``parallel=True``, the default) or the loop.
+
+Traversals: a permutation ``pi`` of the four directions (:meth:`SS2D.set_traversal`): group ``k`` scans
+direction ``pi(k)`` (``xs <- xs[:, pi]``) and its output is put back with ``pi^-1`` (``argsort(pi)``) before the
+merge -- correct for every permutation, not only involutions.
+
+Init (VMamba / Mamba): ``A_log = log(1..N)``, ``D = 1``, the ``dt`` bias the inverse softplus of
+``exp(U[log 1e-3, log 1e-1])``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["selective_scan_ref", "selective_scan", "cross_scan", "cross_merge", "SS2D", "TinyVMamba", "PERMUTATIONS",
+           "check_permutation", "set_traversal"]
+
+#: the 24 traversal permutations of the four scan directions, identity first
+PERMUTATIONS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(4)))
+
+
+def check_permutation(perm: object, where: str = "set_traversal") -> tuple[int, ...]:
+    """``perm`` as a tuple if it is a permutation of 0..3, else ValueError naming the allowed values."""
+    try:
+        p = tuple(int(v) for v in perm)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        p = ()
+    if sorted(p) != [0, 1, 2, 3]:
+        raise ValueError(f"{where}: perm={perm!r} must be a permutation of 0, 1, 2, 3 (e.g. (0, 1, 3, 2))")
+    return p
+
+
+def selective_scan_ref(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: torch.Tensor) -> torch.Tensor:
+    """The recurrence step by step.
+
+    Args:
+        u, delta: ``(b, L, d)``; A: ``(d, N)``; B, C: ``(b, L, N)``; D: ``(d,)``.
+
+    Returns:
+        ``y (b, L, d)``.
+    """
+    b, L, d = u.shape
+    h = u.new_zeros(b, d, A.shape[1])
+    ys = []
+    for t in range(L):
+        h = torch.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t, None, :] * u[:, t, :, None]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(ys, 1) + u * D
+
+
+def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor, parallel: bool = True) -> torch.Tensor:
+    """:func:`selective_scan_ref`'s result; ``parallel`` uses ``mambapy.pscan.pscan`` (pure torch, any length)."""
+    if not parallel:
+        return selective_scan_ref(u, delta, A, B, C, D)
+    from mambapy.pscan import pscan
+
+    dA = torch.exp(delta[..., None] * A)  # (b, L, d, N)
+    dBu = delta[..., None] * B[:, :, None, :] * u[..., None]  # (b, L, d, N)
+    h = pscan(dA, dBu)  # (b, L, d, N)
+    return (h * C[:, :, None, :]).sum(-1) + u * D
+
+
+def cross_scan(x: torch.Tensor) -> torch.Tensor:
+    """``(b, d, H, W)`` -> ``(b, 4, d, L)``: row-major, column-major, reversed row-major, reversed column-major."""
+    rows = x.flatten(2)  # (b, d, L)
+    cols = x.transpose(2, 3).flatten(2)
+    return torch.stack([rows, cols, rows.flip(-1), cols.flip(-1)], 1)
+
+
+def cross_merge(ys: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    """``(b, 4, d, L)`` per-direction outputs -> ``(b, d, H, W)``: undo flips and the transpose, then sum."""
+    b, _, d, _ = ys.shape
+    rows = ys[:, 0] + ys[:, 2].flip(-1)
+    cols = ys[:, 1] + ys[:, 3].flip(-1)
+    return rows.view(b, d, H, W) + cols.view(b, d, W, H).transpose(2, 3)
+
+
+class SS2D(nn.Module):
+    """2-D selective scan over four directions, one parameter group per direction (see the module docstring).
+
+    Args:
+        dim: channels C.
+        d_state: N, the state size. Default: 4.
+        dt_rank: rank of the ``dt`` projection; None: ``ceil(C / 16)``. Default: None.
+        parallel: use the parallel scan. Default: True.
+    """
+
+    def __init__(self, dim: int, d_state: int = 4, dt_rank: int | None = None, parallel: bool = True) -> None:
+        super().__init__()
+        if dim < 1 or d_state < 1:
+            raise ValueError(f"SS2D: dim={dim}, d_state={d_state}; allowed: integers >= 1")
+        r = dt_rank or math.ceil(dim / 16)
+        self.dim, self.d_state, self.dt_rank, self.parallel = dim, d_state, r, parallel
+        self.in_proj = nn.Conv2d(dim, dim, 1)
+        self.conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.x_proj = nn.Parameter(torch.randn(4, r + 2 * d_state, dim) / math.sqrt(dim))  # (K, R + 2N, d)
+        self.dt_proj_weight = nn.Parameter(torch.randn(4, dim, r) * r**-0.5)  # (K, d, R)
+        dt = torch.exp(torch.rand(4, dim) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+        self.dt_proj_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(4, dim, 1))
+        self.D = nn.Parameter(torch.ones(4, dim))
+        self.out_norm = nn.LayerNorm(dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.register_buffer("perm", torch.arange(4), persistent=False)
+
+    def set_traversal(self, perm: object) -> None:
+        """Group ``k`` scans direction ``perm[k]``."""
+        self.perm = torch.tensor(check_permutation(perm), device=self.A_log.device)
+
+    def adaptable_parameters(self) -> list[nn.Parameter]:
+        """Every SS2D parameter except ``out_norm`` (TRUST's "ss2d" set)."""
+        return [p for n, p in self.named_parameters() if not n.startswith("out_norm.")]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, H, W = x.shape
+        u = F.silu(self.conv2d(self.in_proj(x)))  # (b, d, H, W)
+        xs = cross_scan(u)[:, self.perm]  # (b, K, d, L): group k gets direction perm[k]
+        L = H * W
+        ys = []
+        for k in range(4):
+            seq = xs[:, k].transpose(1, 2)  # (b, L, d)
+            proj = seq @ self.x_proj[k].T  # (b, L, R + 2N)
+            dt, Bm, Cm = proj.split([self.dt_rank, self.d_state, self.d_state], -1)
+            delta = F.softplus(dt @ self.dt_proj_weight[k].T + self.dt_proj_bias[k])  # (b, L, d)
+            y = selective_scan(seq, delta, -torch.exp(self.A_log[k]), Bm, Cm, self.D[k], self.parallel)
+            ys.append(y.transpose(1, 2))  # (b, d, L)
+        ys_t = torch.stack(ys, 1)[:, torch.argsort(self.perm)]  # back to direction order with pi^-1
+        y = cross_merge(ys_t, H, W).view(b, c, L).transpose(1, 2)  # (b, L, d)
+        return self.out_proj(self.out_norm(y)).transpose(1, 2).view(b, c, H, W)
+
+
+def _norm(kind: str, dim: int) -> nn.Module:
+    if kind == "bn":
+        return nn.BatchNorm2d(dim)
+    if kind == "gn":
+        return nn.GroupNorm(min(8, dim), dim)
+    raise ValueError(f"TinyVMamba: norm={kind!r}; allowed: bn, gn")
+
+
+class _VSSBlock(nn.Module):
+    def __init__(self, dim: int, d_state: int, norm: str, parallel: bool) -> None:
+        super().__init__()
+        self.norm1, self.ss2d = _norm(norm, dim), SS2D(dim, d_state, parallel=parallel)
+        self.norm2 = _norm(norm, dim)
+        self.mlp = nn.Sequential(nn.Conv2d(dim, 4 * dim, 1), nn.GELU(), nn.Conv2d(4 * dim, dim, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.ss2d(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyVMamba(nn.Module):
+    """Stride-2 3x3 stem -> VSS blocks (norm -> SS2D, norm -> MLP) -> norm -> mean pool -> linear head.
+
+    Args:
+        in_chans: input channels. Default: 1 (grey digits).
+        num_classes: outputs. Default: 10.
+        dim: channels C. Default: 32.
+        depth: VSS blocks. Default: 2.
+        d_state: SSM state size N. Default: 4.
+        img_size: input side; the token grid is ``ceil(img_size / stem_stride)``. Default: 8.
+        stem_stride: 2 (4 x 4 tokens for 8 x 8 digits, L = 16) or 1. Default: 2.
+        norm: ``bn`` (BatchNorm) or ``gn`` (GroupNorm, batch-size independent). Default: bn.
+        parallel_scan: the parallel scan (``mambapy``) instead of the loop. Default: True.
+    """
+
+    def __init__(self, in_chans: int = 1, num_classes: int = 10, dim: int = 32, depth: int = 2, d_state: int = 4,
+                 img_size: int = 8, stem_stride: int = 2, norm: str = "bn", parallel_scan: bool = True) -> None:
+        super().__init__()
+        _norm(norm, dim)
+        self.img_size, self.in_chans = img_size, in_chans
+        self.stem = nn.Conv2d(in_chans, dim, 3, stride=stem_stride, padding=1)
+        self.blocks = nn.ModuleList(_VSSBlock(dim, d_state, norm, parallel_scan) for _ in range(depth))
+        self.norm = _norm(norm, dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def set_traversal(self, perm: object) -> None:
+        set_traversal(self, perm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim == 2:  # flattened square images
+            side = int(round(math.sqrt(x.shape[1] / self.in_chans)))
+            x = x.view(x.shape[0], self.in_chans, side, side)
+        if x.shape[-2:] != (self.img_size, self.img_size):
+            raise ValueError(f"TinyVMamba: input {tuple(x.shape[-2:])} differs from the trained grid "
+                             f"({self.img_size}, {self.img_size})")
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h).mean((2, 3)))
+
+
+def set_traversal(model: nn.Module, perm: object) -> int:
+    """Set the traversal of every SS2D module of ``model``; returns how many.
+
+    Raises:
+        ValueError: ``perm`` is not a permutation of 0..3, or ``model`` has no SS2D module.
+    """
+    p = check_permutation(perm)
+    modules = [m for m in model.modules() if isinstance(m, SS2D)]
+    if not modules:
+        raise ValueError(f"set_traversal: {type(model).__name__} has no SS2D module")
+    for m in modules:
+        m.set_traversal(p)
+    return len(modules)
