@@ -12,7 +12,18 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lowrank_lit.nn.targets import match_names
 
-__all__ = ["WarmupCosineLR", "matrix_param_groups", "SeededOptimizer"]
+__all__ = ["WarmupCosineLR", "linear_warmup", "matrix_param_groups", "SeededOptimizer"]
+
+
+def linear_warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Learning rate ramped linearly over ``steps`` optimizer steps (``(step + 1) / steps``), then constant.
+
+    ``steps = 0`` means no warm-up (the factor is 1 from the first step).
+    """
+    if steps < 0:
+        raise ValueError(f"linear_warmup: steps={steps}; allowed: an integer >= 0")
+    warmup = max(1, int(steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
 
 
 class WarmupCosineLR(LRScheduler):

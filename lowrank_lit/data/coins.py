@@ -18,7 +18,6 @@ redraws the same batches and every DDP rank has its own stream).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 
 from lowrank_lit.data.loader import ResumableDataLoader
-from lowrank_lit.data.stream import SeededBatches, stream_loader
+from lowrank_lit.data.stream import SeededBatches, run_seed, stream_loader
 
 __all__ = ["SOURCES", "CoinSource", "bayes_log_predictive", "CoinFlipDataModule", "check_tokens"]
 
@@ -218,7 +217,7 @@ class CoinFlipDataModule(pl.LightningDataModule):
         return self.source.vocab
 
     def _seed(self) -> int:
-        return int(self.data_seed) if self.data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return run_seed(self.data_seed)
 
     def setup(self, stage: str | None = None) -> None:
         if self._train is not None:

@@ -6,14 +6,13 @@ stratified and seeded, so every run (and every rank under DDP) sees the same par
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_lit.data.loader import ResumableDataLoader
+from lowrank_lit.data.stream import run_seed
 
 __all__ = ["DigitsDataModule"]
 
@@ -105,9 +104,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def resolved_split_seed(self) -> int:
         """``split_seed``, or the run seed set by ``seed_everything`` (0 if none) when it is None."""
-        if self.split_seed is not None:
-            return int(self.split_seed)
-        return int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return run_seed(self.split_seed)
 
     def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from sklearn.model_selection import train_test_split

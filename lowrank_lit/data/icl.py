@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from lowrank_lit.data.stream import run_seed
 from lowrank_lit.data.tensor import TensorDataModule
 from lowrank_lit.data.text_tasks import WORDS, _split_words
 
@@ -252,7 +253,7 @@ class SyntheticICLDataModule(TensorDataModule):
         self.train_candidates: torch.Tensor | None = None
 
     def _seed(self) -> int:
-        return int(self.data_seed) if self.data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return run_seed(self.data_seed)
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
         seed = self._seed()
@@ -416,7 +417,7 @@ class TextICLDataModule(TensorDataModule):
         self._jobs: list[dict[str, Any]] = []
 
     def _seed(self) -> int:
-        return int(self.data_seed) if self.data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return run_seed(self.data_seed)
 
     def _records(self, seed: int) -> dict[str, list[dict[str, Any]]]:
         rng = random.Random(seed)
@@ -440,11 +441,12 @@ class TextICLDataModule(TensorDataModule):
                                    f"gold and text (got keys {sorted(r)})")
         return out
 
-    def _scores(self, split: str, cand_index: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Scores of ``records[split]`` x pool ``cand_index (Q, C)``, from the cache where present."""
+    def _scores(self, split: str, cand_index: torch.Tensor, known: dict[tuple[str, str], dict[str, float]]
+                ) -> dict[str, torch.Tensor]:
+        """Scores of ``records[split]`` x pool ``cand_index (Q, C)``: ``known`` (the loaded cache) where present,
+        the scorer for the rest (appended to the cache)."""
         queries, pool = self.records[split], self.records["pool"]
         cache = ScoreCache(self.cache_dir) if self.cache_dir else None
-        known = cache.load() if cache else {}
         q_n, c_n = cand_index.shape
         out = {k: torch.full((q_n, c_n), float("nan")) for k in ("loss", "one_shot_acc", "utility")}
         todo_rows = []
@@ -509,13 +511,14 @@ class TextICLDataModule(TensorDataModule):
         cand, full = self._plan()
         tok = load_tokenizer(self.tokenizer_name)
         pool = self.records["pool"]
-        scores = self._scores("train", cand)
+        known = ScoreCache(self.cache_dir).load() if self.cache_dir else {}  # train and test keys are disjoint
+        scores = self._scores("train", cand, known)
         p_ids, p_mask = _tokens(tok, [r["text"] for r in pool], self.max_length)
         self._pool_tokens = (p_ids, p_mask)
         q_ids, q_mask = _tokens(tok, [r["input"] for r in self.records["train"]], self.max_length)
         train = (q_ids, q_mask, p_ids[cand], p_mask[cand], scores["loss"], scores["one_shot_acc"])
         test_q = self.records["test"]
-        ts = self._scores("test", full)
+        ts = self._scores("test", full, known)
         t_ids, t_mask = _tokens(tok, [r["input"] for r in test_q], self.max_length)
         knn = self._lexical_overlap([r["input"] for r in test_q], [r["text"] for r in pool])
         test = (t_ids, t_mask, ts["utility"], ts["one_shot_acc"], knn)

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lowrank_lit.data.groups import GroupBatchSampler
 from lowrank_lit.data.loader import ResumableDataLoader
+from lowrank_lit.data.stream import run_seed
 
 __all__ = ["batch_effect_data", "gene_curves", "SyntheticSTDataModule", "SpatialTranscriptomicsDataModule"]
 
@@ -237,7 +238,7 @@ class SyntheticSTDataModule(_GroupedDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        seed = self.data_seed if self.data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        seed = run_seed(self.data_seed)
         self.kwargs["seed"] = self.seed = seed
         data = batch_effect_data(**self.kwargs)
         self.curve_params = data["params"]

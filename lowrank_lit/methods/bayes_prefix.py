@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lowrank_lit.data.coins import CoinSource, bayes_log_predictive, check_tokens
+from lowrank_lit.data.stream import run_seed
 from lowrank_lit.nn.lora import LoRALinear, inject_adapters
 from lowrank_lit.nn.prompts import SoftPrompt
 from lowrank_lit.registry import register_method
@@ -249,6 +250,7 @@ class _CoinModule(pl.LightningModule):
         self.baseline_prefix_len = _check_prefix_len(baseline_prefix_len, type(self).__name__)
         self.regret_curves: dict[str, torch.Tensor] = {}
         self._eval: dict[str, list[torch.Tensor]] = {}
+        self._exact: list[torch.Tensor] | None = None  # [(1 + V^K, T) size-weighted curve sums, sequence count]
 
     def predict_logits(self, seqs: torch.Tensor) -> torch.Tensor:
         return self.predictor(seqs)
@@ -294,18 +296,13 @@ class _CoinModule(pl.LightningModule):
         if self.prior.vocab == self.predictor.vocab:  # exact baselines, summed over batches (weighted by size)
             none, _, curves = exact_prefix_curves(self.prior, self._target(), batch.cpu(), self.baseline_prefix_len)
             n = batch.shape[0]
-            acc = self._eval.setdefault("exact", [])
-            part = torch.cat([none[None], curves]) * n  # (1 + V^K, T)
-            if acc:
-                acc[0] += part
-                acc[1] += n
-            else:
-                acc += [part, torch.tensor(float(n), dtype=torch.float64)]
+            part = [torch.cat([none[None], curves]) * n, torch.tensor(float(n), dtype=torch.float64)]  # (1 + V^K, T)
+            self._exact = part if self._exact is None else [a + b for a, b in zip(self._exact, part, strict=True)]
 
     def on_test_epoch_end(self) -> None:
         self._eval_end("test")
-        exact = self._eval.pop("exact", None)
-        if not exact:
+        exact, self._exact = self._exact, None
+        if exact is None:
             return
         total = self.trainer.strategy.reduce(exact[0].to(self.device), reduce_op="sum").cpu()
         count = self.trainer.strategy.reduce(exact[1].to(self.device), reduce_op="sum").cpu()
@@ -357,8 +354,7 @@ def _load_predictor(predictor: SequencePredictor, pretrained: str | None, untrai
         warnings.warn(f"{where}: no pretrained checkpoint; tuning starts from random weights "
                       "(pass --model.init_args.pretrained=<ckpt of a MetaPretrainModule run>)", stacklevel=3)
         return
-    seed = os.environ.get("PL_GLOBAL_SEED", "0")
-    pretrained = pretrained.replace("{torso}", predictor.torso_kind).replace("{seed}", seed)
+    pretrained = pretrained.replace("{torso}", predictor.torso_kind).replace("{seed}", str(run_seed()))
     if not os.path.isfile(pretrained):
         raise FileNotFoundError(f"{where}: pretrained={pretrained} does not exist (run a MetaPretrainModule config first)")
     state = torch.load(pretrained, map_location="cpu", weights_only=False)["state_dict"]

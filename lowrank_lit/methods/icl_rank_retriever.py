@@ -51,6 +51,7 @@ from torch import nn
 from torchmetrics.functional import spearman_corrcoef
 
 from lowrank_lit.data.icl import ICL_LOSSES, ICLWorld, ScoreCache, normalised_option_loss
+from lowrank_lit.optim import linear_warmup
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
 
@@ -692,8 +693,7 @@ class ICLRetrieverModule(pl.LightningModule):
             raise ValueError("ICLRetrieverModule: the towers have no trainable parameter")
         opt = torch.optim.AdamW(params, lr=self.hparams.lr, eps=self.hparams.adam_eps,
                                 weight_decay=self.hparams.weight_decay)
-        warmup = max(1, int(self.hparams.warmup_steps))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+        sched = linear_warmup(opt, int(self.hparams.warmup_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

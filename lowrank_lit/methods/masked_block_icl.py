@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowrank_lit.data.stream import SeededBatches, stream_loader
+from lowrank_lit.data.stream import SeededBatches, run_seed, stream_loader
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure, save_rows
 
@@ -104,7 +104,7 @@ class MaskedBlockDataModule(pl.LightningDataModule):
         self._eval: SeededBatches | None = None
 
     def _seed(self) -> int:
-        return int(self.data_seed) if self.data_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return run_seed(self.data_seed)
 
     def _draw(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         return masked_block_batch(self.batch_size, generator=generator, **self.shape)
@@ -255,19 +255,19 @@ class MaskedBlockICL(pl.LightningModule):
         self.log(f"{stage}/mse", per.mean(), on_epoch=True, batch_size=b, sync_dist=True)
         self.log(f"{stage}/mse_zero", zero.mean(), on_epoch=True, batch_size=b, sync_dist=True)
         if stage == "test":
-            self._ratios.append(torch.stack([per, zero], 1).cpu())
+            self._test_mse.append(torch.stack([per, zero], 1).cpu())
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval(batch, "val")
 
     def on_test_epoch_start(self) -> None:
-        self._ratios: list[torch.Tensor] = []
+        self._test_mse: list[torch.Tensor] = []
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self._eval(batch, "test")
 
     def on_test_epoch_end(self) -> None:
-        per, zero = torch.cat(self._ratios).unbind(1)  # per-matrix MSE of the model and of the zero predictor
+        per, zero = torch.cat(self._test_mse).unbind(1)  # per-matrix MSE of the model and of the zero predictor
         self.log("test/median_mse", per.median())
         self.log("test/median_mse_zero", zero.median())
         self.log("test/median_improvement", zero.median() / per.median().clamp_min(1e-30))

@@ -27,6 +27,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
+from lowrank_lit.optim import linear_warmup
 
 __all__ = [
     "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "find_layers", "keep_first_layers", "disable_dropout",
@@ -657,8 +658,7 @@ class PromptTunedLM(pl.LightningModule):
         if not params:
             raise ValueError("PromptTunedLM: nothing to train (prompt is None or frozen); use `lowrank validate` to evaluate")
         optimizer = torch.optim.AdamW(params, lr=self.lr)
-        warmup = max(1, self.warmup_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        scheduler = linear_warmup(optimizer, self.warmup_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
