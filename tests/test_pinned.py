@@ -70,6 +70,14 @@ def _reservoir(root: Path) -> list[float]:
     return _column(_only(root / "tta", "tta_batches.csv"), "entropy")
 
 
+def _trust(root: Path) -> list[float]:
+    assert run_cli("fit", "--config", CONFIGS / "trust/source_vmamba_digits.yaml", *FIT3, run_root=root / "src") == 0
+    ckpt = _only(root / "src", "last.ckpt")
+    assert run_cli("test", "--config", CONFIGS / "trust/digits_c_trust.yaml", f"--model.init_args.source_ckpt={ckpt}",
+                   "--data.init_args.batches_per_visit=1", "--trainer.enable_progress_bar=false", run_root=root / "tta") == 0
+    return _column(_only(root / "tta", "tta_batches.csv"), "entropy")  # post-adaptation entropy, one per corruption
+
+
 def _pinv(root: Path) -> list[float]:
     assert run_cli("test", "--config", CONFIGS / "pinv_bounds/synthetic_spectra.yaml", "--data.init_args.draws=1",
                    "--data.init_args.n_synthetic=50", "--model.init_args.plot=false", run_root=root) == 0
@@ -91,6 +99,7 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
     "bayes_prefix": (_fit("bayes_prefix/pretrain_transformer.yaml"), [68.13843536376953, 64.33965301513672, 63.65904998779297]),
     "icl_rank_retriever": (_fit("icl_rank_retriever/synthetic_hybrid.yaml"), [5.87391996383667, 5.630967140197754, 5.524951457977295]),
     "masked_block_icl": (_fit("masked_block_icl/unconstrained.yaml"), [0.19583538174629211, 0.1905636042356491, 0.16884338855743408]),
+    "trust": (_trust, [2.260313034057617, 2.2700436115264893, 2.2647626399993896]),
     "pinv_bounds": (_pinv, [9.53239879028542, 3.793205535636699, 0.5225886098338843]),
 }
 

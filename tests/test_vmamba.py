@@ -123,3 +123,15 @@ def test_bad_inputs():
         m(torch.rand(2, 1, 16, 16))
     with pytest.raises(ValueError, match="norm"):
         TinyVMamba(norm="ln")
+
+
+def test_hierarchical_vmamba_stages_and_stem():
+    m = TinyVMamba(in_chans=3, dim=[8, 16], depth=[1, 2], d_state=1, img_size=32, stem_stride=4).eval()
+    assert len(m.blocks) == 3 and list(m.downsample) == ["1"]
+    assert m(torch.rand(2, 3, 32, 32)).shape == (2, 10)
+    assert sum(isinstance(mod, SS2D) for mod in m.modules()) == 3 and set_traversal(m, (3, 2, 1, 0)) == 3
+    assert [mod.dim for mod in m.modules() if isinstance(mod, SS2D)] == [8, 16, 16]
+    with pytest.raises(ValueError, match="as many stage depths"):
+        TinyVMamba(dim=[8, 16], depth=[1])
+    with pytest.raises(ValueError, match="stem_stride=3; allowed: 1, 2, 4"):
+        TinyVMamba(stem_stride=3)

@@ -1,17 +1,21 @@
 """A stream of corrupted test batches for test-time adaptation: recurring (CSC) or random (CDC) domains.
 
-The six corruptions of the ReservoirTTA CPU experiment (paper 11, method card section 4) act on
-images in [0, 1] of shape (B, C, H, W): ``gaussian_noise`` (sigma 0.5), ``impulse_noise`` (15 % of the
-pixels set to 0 or 1), ``blur`` (two passes of a 5x5 binomial filter), ``contrast`` (x 0.25 around
-the image mean), ``inversion`` (1 - x) and ``brightness`` (0.6 x + 0.4). Results are clipped to
-[0, 1] (inferred). Each corruption draws its noise from a generator, so the stream is reproducible.
+Corruptions act on images in [0, 1] of shape (B, C, H, W), each at a severity ``level`` (defaults in
+:data:`DEFAULT_LEVELS`: the ReservoirTTA experiment's, paper 11): ``gaussian_noise`` (sigma 0.5),
+``impulse_noise`` (15 % of the pixels set to 0 or 1), ``blur`` (two passes of a 5x5 binomial filter; level
+= kernel size 3 or 5), ``contrast`` (x 0.25 around the image mean), ``inversion`` (1 - x), ``brightness``
+(0.6 x + 0.4; level = the offset), ``shift`` (each image moved by 1 px in one of 8 directions, zeros
+shifted in) and ``occluder`` (a black 4 x 4 square at a random place). TRUST's digits-C (paper 19) uses
+sigma 0.35, contrast 0.3 and the 3x3 blur on 8x8 digits. Results are clipped to [0, 1] (inferred). Each
+corruption draws its noise from a generator, so the stream is reproducible.
 
 ``corruption_stream`` orders (domain, batch) visits: ``csc`` = the corruptions in a fixed order,
 ``recurrences`` times (continual structured change); ``cdc`` = runs of random length (1 .. 2 x
 batches_per_visit) of randomly chosen domains, never the same twice in a row, with the same total
 number of batches (continual dynamic change). ``DigitsCorruptionDataModule`` serves the stream
-built from the held-out split of scikit-learn's digits (upsampled to 16x16) and the clean training
-split (source statistics, EATA's Fisher).
+built from the held-out split of scikit-learn's digits (upsampled to 16x16 by default) and the clean
+training split (source statistics, EATA's Fisher). Its images are drawn at random per batch
+(``sampling="random"``) or in passes over the held-out split (``"epoch"``: every image once before any repeats).
 """
 
 from __future__ import annotations
@@ -23,60 +27,100 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lowrank_lit.data.digits import DigitsDataModule
+from lowrank_lit.data.stream import run_seed
 
-__all__ = ["CORRUPTIONS", "corrupt", "corruption_stream", "StreamDataset", "DigitsCorruptionDataModule"]
-
-
-def _gaussian_noise(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    return x + 0.5 * torch.randn(x.shape, generator=g)
+__all__ = ["CORRUPTIONS", "DEFAULT_LEVELS", "RESERVOIR_DOMAINS", "corrupt", "corruption_stream", "StreamDataset", "DigitsCorruptionDataModule"]
 
 
-def _impulse_noise(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    hit = torch.rand(x.shape, generator=g) < 0.15
+def _gaussian_noise(x: torch.Tensor, g: torch.Generator, sigma: float) -> torch.Tensor:
+    return x + sigma * torch.randn(x.shape, generator=g)
+
+
+def _impulse_noise(x: torch.Tensor, g: torch.Generator, fraction: float) -> torch.Tensor:
+    hit = torch.rand(x.shape, generator=g) < fraction
     salt = (torch.rand(x.shape, generator=g) < 0.5).to(x.dtype)
     return torch.where(hit, salt, x)
 
 
-def _blur(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    k1 = torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0])
-    k = (k1[:, None] * k1[None, :]) / 256.0  # 5x5 binomial
-    c = x.shape[1]
-    w = k.expand(c, 1, 5, 5).to(x.dtype)
+def _blur(x: torch.Tensor, g: torch.Generator, kernel: float) -> torch.Tensor:
+    size = int(kernel)
+    if size not in (3, 5):
+        raise ValueError(f"corrupt: blur level={kernel!r} (binomial kernel size); allowed: 3, 5")
+    k1 = torch.tensor([1.0, 2.0, 1.0]) if size == 3 else torch.tensor([1.0, 4.0, 6.0, 4.0, 1.0])
+    k = (k1[:, None] * k1[None, :]) / k1.sum() ** 2  # (size, size) binomial
+    c, pad = x.shape[1], size // 2
+    w = k.expand(c, 1, size, size).to(x.dtype)
     for _ in range(2):
-        x = F.conv2d(F.pad(x, (2, 2, 2, 2), mode="replicate"), w, groups=c)
+        x = F.conv2d(F.pad(x, (pad, pad, pad, pad), mode="replicate"), w, groups=c)
     return x
 
 
-def _contrast(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+def _contrast(x: torch.Tensor, g: torch.Generator, factor: float) -> torch.Tensor:
     mean = x.mean(dim=(1, 2, 3), keepdim=True)
-    return (x - mean) * 0.25 + mean
+    return (x - mean) * factor + mean
 
 
-def _inversion(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+def _inversion(x: torch.Tensor, g: torch.Generator, level: float) -> torch.Tensor:
     return 1.0 - x
 
 
-def _brightness(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    return 0.6 * x + 0.4
+def _brightness(x: torch.Tensor, g: torch.Generator, offset: float) -> torch.Tensor:
+    return (1.0 - offset) * x + offset
 
 
-CORRUPTIONS: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
+def _shift(x: torch.Tensor, g: torch.Generator, pixels: float) -> torch.Tensor:
+    """Each image moved by ``pixels`` in one of the 8 directions (drawn per image), zeros shifted in."""
+    n = int(pixels)
+    dirs = [(dy, dx) for dy in (-n, 0, n) for dx in (-n, 0, n) if (dy, dx) != (0, 0)]
+    pick = torch.randint(len(dirs), (x.shape[0],), generator=g)
+    out = torch.zeros_like(x)
+    H, W = x.shape[-2:]
+    for i, j in enumerate(pick.tolist()):
+        dy, dx = dirs[j]
+        out[i, :, max(dy, 0):H + min(dy, 0), max(dx, 0):W + min(dx, 0)] = x[i, :, max(-dy, 0):H + min(-dy, 0), max(-dx, 0):W + min(-dx, 0)]
+    return out
+
+
+def _occluder(x: torch.Tensor, g: torch.Generator, side: float) -> torch.Tensor:
+    """A ``side`` x ``side`` black square at a random place in each image."""
+    s = int(side)
+    H, W = x.shape[-2:]
+    top = torch.randint(H - s + 1, (x.shape[0],), generator=g)
+    left = torch.randint(W - s + 1, (x.shape[0],), generator=g)
+    out = x.clone()
+    for i, (t, lft) in enumerate(zip(top.tolist(), left.tolist(), strict=True)):
+        out[i, :, t:t + s, lft:lft + s] = 0.0
+    return out
+
+
+CORRUPTIONS: dict[str, Callable[[torch.Tensor, torch.Generator, float], torch.Tensor]] = {
     "gaussian_noise": _gaussian_noise,
     "impulse_noise": _impulse_noise,
     "blur": _blur,
     "contrast": _contrast,
     "inversion": _inversion,
     "brightness": _brightness,
+    "shift": _shift,
+    "occluder": _occluder,
 }
 
+#: the severity of each corruption when none is given (the ReservoirTTA experiment's; ``shift``: 1 px, ``occluder``: 4 px)
+DEFAULT_LEVELS: dict[str, float] = {"gaussian_noise": 0.5, "impulse_noise": 0.15, "blur": 5, "contrast": 0.25,
+                                    "inversion": 0.0, "brightness": 0.4, "shift": 1, "occluder": 4}
 
-def corrupt(x: torch.Tensor, name: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Apply corruption ``name`` (``clean`` = identity) to images in [0, 1]; the result is clipped to [0, 1]."""
+#: the ReservoirTTA stream's six domains (the default of :class:`DigitsCorruptionDataModule`)
+RESERVOIR_DOMAINS: tuple[str, ...] = ("gaussian_noise", "impulse_noise", "blur", "contrast", "inversion", "brightness")
+
+
+def corrupt(x: torch.Tensor, name: str, generator: torch.Generator | None = None, level: float | None = None) -> torch.Tensor:
+    """Apply corruption ``name`` (``clean`` = identity) at severity ``level`` (None: :data:`DEFAULT_LEVELS`) to images
+    in [0, 1]; the result is clipped to [0, 1]."""
     if name == "clean":
         return x.clone()
     if name not in CORRUPTIONS:
         raise ValueError(f"corrupt: name={name!r}; allowed: clean, {', '.join(CORRUPTIONS)}")
-    return CORRUPTIONS[name](x, generator or torch.Generator().manual_seed(0)).clamp(0.0, 1.0)
+    lvl = DEFAULT_LEVELS[name] if level is None else float(level)
+    return CORRUPTIONS[name](x, generator or torch.Generator().manual_seed(0), lvl).clamp(0.0, 1.0)
 
 
 def corruption_stream(domains: list[str], recurrences: int, batches_per_visit: int, setting: str = "csc",
@@ -126,39 +170,52 @@ class DigitsCorruptionDataModule(DigitsDataModule):
     ~1000 train / 797 test).
 
     Args:
-        corruptions: domain names in stream order. Default: the six of the card.
+        corruptions: domain names in stream order. Default: the six of the ReservoirTTA experiment.
+        levels: severity per corruption name (see :func:`corrupt`); the others keep :data:`DEFAULT_LEVELS`. Default: None.
         recurrences: passes over all domains. Default: 6 (card).
         batches_per_visit: batches per domain visit. Default: 12 (card).
         batch_size: images per batch. Default: 64 (card).
         setting: ``csc`` (fixed order) or ``cdc`` (random runs). Default: csc.
-        stream_seed: seed of the sampled images, the corruption noise and the CDC order. Default: 0.
+        stream_seed: seed of the sampled images, the corruption noise and the CDC order; None: the run seed
+            (``seed_everything``). Default: 0.
         image_size: side after bilinear upsampling. Default: 16 (card).
         test_fraction: held-out fraction (the stream's images). Default: 0.4435 (797 of 1797).
         val_fraction: validation fraction of the source split. Default: 0.01.
         split_seed: seed of the stratified split. Default: 0.
+        sampling: ``random`` (each batch drawn afresh from the held-out images) or ``epoch`` (consecutive
+            slices of shuffled passes over them). Default: random.
     """
 
     def __init__(
         self,
         corruptions: list[str] | None = None,
+        levels: dict[str, float] | None = None,
         recurrences: int = 6,
         batches_per_visit: int = 12,
         batch_size: int = 64,
         setting: str = "csc",
-        stream_seed: int = 0,
+        stream_seed: int | None = 0,
         image_size: int = 16,
         test_fraction: float = 0.4435,
         val_fraction: float = 0.01,
         split_seed: int = 0,
+        sampling: str = "random",
     ) -> None:
         super().__init__(image_size=image_size, channels=1, normalize=False, flatten=False, batch_size=batch_size,
                          val_fraction=val_fraction, test_fraction=test_fraction, split_seed=split_seed)
-        self.corruptions = list(CORRUPTIONS) if corruptions is None else list(corruptions)
+        self.corruptions = list(RESERVOIR_DOMAINS) if corruptions is None else list(corruptions)
         unknown = [c for c in self.corruptions if c not in CORRUPTIONS and c != "clean"]
         if unknown or not self.corruptions:
             raise ValueError(f"DigitsCorruptionDataModule: corruptions={self.corruptions!r}; allowed: clean, {', '.join(CORRUPTIONS)}")
-        self.order = corruption_stream(self.corruptions, recurrences, batches_per_visit, setting, stream_seed)
+        self.levels = dict(levels or {})
+        bad = [k for k in self.levels if k not in CORRUPTIONS]
+        if bad:
+            raise ValueError(f"DigitsCorruptionDataModule: levels has {bad!r}; allowed keys: {', '.join(CORRUPTIONS)}")
+        if sampling not in ("random", "epoch"):
+            raise ValueError(f"DigitsCorruptionDataModule: sampling={sampling!r}; allowed: random, epoch")
+        self.order = corruption_stream(self.corruptions, recurrences, batches_per_visit, setting, run_seed(stream_seed))
         self.recurrences, self.batches_per_visit, self.setting, self.stream_seed = recurrences, batches_per_visit, setting, stream_seed
+        self.sampling = sampling
         self.stream: StreamDataset | None = None
 
     def setup(self, stage: str | None = None) -> None:
@@ -167,11 +224,18 @@ class DigitsCorruptionDataModule(DigitsDataModule):
             return
         assert self.test_set is not None
         x, y = self.test_set.tensors
-        g = torch.Generator().manual_seed(self.stream_seed)
+        g = torch.Generator().manual_seed(run_seed(self.stream_seed))
         batches = []
+        pool = torch.empty(0, dtype=torch.long)
         for d, r in self.order:
-            idx = torch.randperm(len(y), generator=g)[: self.batch_size]
-            xb = corrupt(x[idx], self.corruptions[d], g)
+            if self.sampling == "random":
+                idx = torch.randperm(len(y), generator=g)[: self.batch_size]
+            else:  # the next slice of shuffled passes over the held-out images
+                while len(pool) < min(self.batch_size, len(y)):
+                    pool = torch.cat([pool, torch.randperm(len(y), generator=g)])
+                idx, pool = pool[: self.batch_size], pool[self.batch_size:]
+            name = self.corruptions[d]
+            xb = corrupt(x[idx], name, g, self.levels.get(name))
             n = len(idx)
             batches.append((xb, y[idx], torch.full((n,), d), torch.full((n,), r)))
         self.stream = StreamDataset(batches)

@@ -112,7 +112,8 @@ def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
 
 
 def check_input_files(cfg: Any) -> None:
-    """Checkpoints a run starts from (``ckpt_path``, ``*_ckpt``, ``init_from``) must exist before anything runs.
+    """Checkpoints a run starts from (``ckpt_path``, ``*_ckpt``, ``init_from``) must exist before anything runs
+    (``{seed}`` in a path stands for the run's ``seed_everything``).
 
     Raises:
         ConfigError: naming the key, the missing file and, when a config says so in a ``# First:`` line,
@@ -123,6 +124,8 @@ def check_input_files(cfg: Any) -> None:
             continue
         if key == "ckpt_path" and value in _CKPT_KEYWORDS:
             continue
+        seed = cfg.get("seed_everything")
+        value = value.replace("{seed}", str(seed if isinstance(seed, int) and not isinstance(seed, bool) else 0))  # per-seed checkpoints
         if not Path(value).exists():
             first = prerequisite_command(cfg.get("config"))
             hint = f"; make it first with: {first}" if first else "; train that model first or fix the path"

@@ -167,29 +167,52 @@ class _VSSBlock(nn.Module):
 
 
 class TinyVMamba(nn.Module):
-    """Stride-2 3x3 stem -> VSS blocks (norm -> SS2D, norm -> MLP) -> norm -> mean pool -> linear head.
+    """Stem -> stages of VSS blocks (norm -> SS2D, norm -> MLP), a stride-2 3x3 conv + norm between stages ->
+    norm -> mean pool -> linear head.
+
+    One stage by default (the digits model); lists for ``dim`` and ``depth`` give a hierarchical VMamba, e.g.
+    VMamba-T ``vmamba_tiny_s1l8``: ``dim=[96, 192, 384, 768]``, ``depth=[2, 2, 8, 2]``, ``d_state=1``,
+    ``stem_stride=4``, ``img_size=224``.
 
     Args:
         in_chans: input channels. Default: 1 (grey digits).
         num_classes: outputs. Default: 10.
-        dim: channels C. Default: 32.
-        depth: VSS blocks. Default: 2.
+        dim: channels C, or one per stage. Default: 32.
+        depth: VSS blocks, or one count per stage (as many as ``dim``). Default: 2.
         d_state: SSM state size N. Default: 4.
-        img_size: input side; the token grid is ``ceil(img_size / stem_stride)``. Default: 8.
-        stem_stride: 2 (4 x 4 tokens for 8 x 8 digits, L = 16) or 1. Default: 2.
+        img_size: input side; the first stage's token grid is ``img_size / stem_stride``. Default: 8.
+        stem_stride: 1 or 2 (one 3x3 conv; 2 gives 4 x 4 tokens for 8 x 8 digits, L = 16) or 4 (two stride-2
+            3x3 convs with norm and GELU between, VMamba's patch-4 stem). Default: 2.
         norm: ``bn`` (BatchNorm) or ``gn`` (GroupNorm, batch-size independent). Default: bn.
         parallel_scan: the parallel scan (``mambapy``) instead of the loop. Default: True.
     """
 
-    def __init__(self, in_chans: int = 1, num_classes: int = 10, dim: int = 32, depth: int = 2, d_state: int = 4,
-                 img_size: int = 8, stem_stride: int = 2, norm: str = "bn", parallel_scan: bool = True) -> None:
+    def __init__(self, in_chans: int = 1, num_classes: int = 10, dim: int | list[int] = 32, depth: int | list[int] = 2,
+                 d_state: int = 4, img_size: int = 8, stem_stride: int = 2, norm: str = "bn", parallel_scan: bool = True) -> None:
         super().__init__()
-        _norm(norm, dim)
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        depths = [depth] * len(dims) if isinstance(depth, int) else list(depth)
+        if len(depths) != len(dims) or not dims or min(depths) < 1:
+            raise ValueError(f"TinyVMamba: dim={dim!r}, depth={depth!r}; allowed: as many stage depths (>= 1) as stage dims")
+        if stem_stride not in (1, 2, 4):
+            raise ValueError(f"TinyVMamba: stem_stride={stem_stride!r}; allowed: 1, 2, 4")
+        _norm(norm, dims[0])
         self.img_size, self.in_chans = img_size, in_chans
-        self.stem = nn.Conv2d(in_chans, dim, 3, stride=stem_stride, padding=1)
-        self.blocks = nn.ModuleList(_VSSBlock(dim, d_state, norm, parallel_scan) for _ in range(depth))
-        self.norm = _norm(norm, dim)
-        self.head = nn.Linear(dim, num_classes)
+        if stem_stride == 4:
+            self.stem: nn.Module = nn.Sequential(nn.Conv2d(in_chans, dims[0] // 2, 3, stride=2, padding=1),
+                                                 _norm(norm, dims[0] // 2), nn.GELU(),
+                                                 nn.Conv2d(dims[0] // 2, dims[0], 3, stride=2, padding=1))
+        else:
+            self.stem = nn.Conv2d(in_chans, dims[0], 3, stride=stem_stride, padding=1)
+        blocks, downs = [], {}
+        for i, (d, n) in enumerate(zip(dims, depths, strict=True)):
+            if i:
+                downs[str(len(blocks))] = nn.Sequential(nn.Conv2d(dims[i - 1], d, 3, stride=2, padding=1), _norm(norm, d))
+            blocks += [_VSSBlock(d, d_state, norm, parallel_scan) for _ in range(n)]
+        self.blocks = nn.ModuleList(blocks)
+        self.downsample = nn.ModuleDict(downs)  # key: the index of the block it precedes
+        self.norm = _norm(norm, dims[-1])
+        self.head = nn.Linear(dims[-1], num_classes)
 
     def set_traversal(self, perm: object) -> None:
         set_traversal(self, perm)
@@ -202,7 +225,9 @@ class TinyVMamba(nn.Module):
             raise ValueError(f"TinyVMamba: input {tuple(x.shape[-2:])} differs from the trained grid "
                              f"({self.img_size}, {self.img_size})")
         h = self.stem(x)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if str(i) in self.downsample:
+                h = self.downsample[str(i)](h)
             h = block(h)
         return self.head(self.norm(h).mean((2, 3)))
 

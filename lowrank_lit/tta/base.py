@@ -81,6 +81,8 @@ class TTAMethod:
     """
 
     adapts = True
+    #: BatchNorm normalises with the test batch's statistics (running statistics removed)
+    batch_stats = True
     #: the cluster the last batch was routed to (routing plug-ins set it); None: no routing
     last_cluster: int | None = None
 
@@ -109,7 +111,7 @@ class TTAMethod:
         for p in self.params:
             p.requires_grad_(True)
         for m in model.modules():  # Tent: BatchNorm normalises with the test batch's statistics
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            if self.batch_stats and isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.train()
                 m.track_running_stats = False
                 m.running_mean = m.running_var = None
@@ -149,6 +151,27 @@ class TTAMethod:
 
     def adapt(self, x: torch.Tensor) -> None:
         self.forward_and_adapt(x)
+
+    # -- domains -----------------------------------------------------------------------------------
+    #: the domain index of the current batch (set by TTAModule before each batch)
+    domain: int = 0
+
+    def snapshot_source(self) -> None:
+        """Remember the current (source) state; :meth:`reset` returns to it."""
+        self._source_state = self.get_state()
+
+    def reset(self) -> None:
+        """Back to the source weights with a fresh optimizer (episodic per domain); needs :meth:`snapshot_source`."""
+        state = getattr(self, "_source_state", None)
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__}.reset: call snapshot_source() after setup() first")
+        self.set_state(state)
+        if self.optimizer is not None:
+            self.optimizer.state.clear()  # Adam's moments and step counts start again
+
+    def tables(self) -> dict[str, list[dict[str, Any]]]:
+        """Extra per-run tables (file name -> rows) the module writes to the run directory."""
+        return {}
 
     def after_step(self) -> None:
         """Hook after each optimizer step."""
@@ -219,14 +242,26 @@ class TTAWrapper(TTAMethod):
     def extra_state(self) -> dict[str, Any]:
         return self.method.extra_state()
 
+    def reset(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} adapts continually; reset_each_domain=true is not supported")
+
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.method.load_extra_state(state)
 
 
 class SourceOnly(TTAMethod):
-    """No adaptation: the source model's predictions."""
+    """No adaptation: the source model's predictions.
+
+    Args:
+        batch_stats: BatchNorm uses each test batch's statistics (as every adapting method here does); False
+            keeps the source model's running statistics (the plain source model). Default: True.
+    """
 
     adapts = False
+
+    def __init__(self, batch_stats: bool = True) -> None:
+        super().__init__()
+        self.batch_stats = batch_stats
 
     def loss(self, logits: torch.Tensor, x: torch.Tensor) -> None:
         return None
@@ -238,7 +273,25 @@ class Tent(TTAMethod):
     Args:
         lr: Adam learning rate. Default: 1e-3.
         betas: Adam's coefficients. Default: (0.9, 0.999).
+        norms: ``all`` (BatchNorm, GroupNorm and LayerNorm affine parameters) or ``batchnorm`` (BatchNorm only,
+            Tent's original choice for BN networks). Default: all.
     """
+
+    NORMS = ("all", "batchnorm")
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), norms: str = "all") -> None:
+        super().__init__(lr, betas)
+        if norms not in self.NORMS:
+            raise ValueError(f"Tent: norms={norms!r}; allowed: {', '.join(self.NORMS)}")
+        self.norms = norms
+
+    def select_params(self, model: nn.Module) -> list[nn.Parameter]:
+        if self.norms == "all":
+            return norm_affine_params(model)
+        params = [p for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in (m.weight, m.bias) if p is not None]
+        if not params:
+            raise ValueError(f"Tent: norms='batchnorm' but {type(model).__name__} has no BatchNorm affine parameters")
+        return params
 
     def loss(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return entropy(logits).mean()

@@ -7,10 +7,15 @@ and then adapted on, in stream order. Batches are ``(x, y, domain, recurrence)``
 :class:`lowrank_lit.data.corruptions.DigitsCorruptionDataModule`.
 
 Logged: ``test/error`` (running), and at the end ``test/error_mean``, ``test/error_last`` (the last
-recurrence), per-recurrence ``test/error_r<k>`` and, for a plug-in that routes batches to clusters,
+recurrence), per-recurrence ``test/error_r<k>``, the accuracy per domain ``test/acc_<corruption>`` and their
+mean ``test/acc_domains``, and, for a plug-in that routes batches to clusters,
 ``test/clusters`` (clusters that received batches), ``test/models`` (copies held, the source's included)
 and ``test/purity``. Written to the run directory: ``tta_batches.csv`` (one row per batch: error,
-mean prediction entropy, cluster), ``tta_recurrence.csv`` (error per recurrence) and ``tta_recurrence.png``.
+mean prediction entropy, cluster), ``tta_recurrence.csv`` (error per recurrence), ``tta_recurrence.png`` and
+the method's own tables (:meth:`TTAMethod.tables`, e.g. TRUST's traversal ranking).
+
+With ``reset_each_domain`` the method returns to the source weights and a fresh optimizer whenever the
+domain index of the stream changes (:meth:`TTAMethod.reset`).
 
 The trainer must run with ``inference_mode: false`` (adaptation needs gradients in ``test``).
 """
@@ -25,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lowrank_lit.data.stream import run_seed
 from lowrank_lit.tta.base import SourceData, TTAMethod
 
 __all__ = ["TTAModule", "load_backbone", "purity"]
@@ -58,12 +64,16 @@ class TTAModule(pl.LightningModule):
         model: the network (same architecture as the source run's backbone).
         method: the TTA method (``lowrank_lit.tta.Tent``, ``...EATA``, ``...CoTTA``, ``...SourceOnly``,
             ``lowrank_lit.methods.reservoir_tta.ReservoirTTA``).
-        source_ckpt: checkpoint of the source training run; None keeps the model's weights (tests). Default: None.
+        source_ckpt: checkpoint of the source training run; ``{seed}`` in the path is replaced by the run seed
+            (sweeps over seeds); None keeps the model's weights (tests). Default: None.
         source_batches: clean source batches given to the method at setup (EATA's Fisher, ReservoirTTA's
             source styles come from the datamodule's ``source_dataloader``). Default: True.
+        reset_each_domain: return to the source weights and a fresh optimizer whenever the stream's domain
+            changes (online but episodic per domain, TRUST's protocol). Default: False (continual).
     """
 
-    def __init__(self, model: nn.Module, method: TTAMethod, source_ckpt: str | None = None, source_batches: bool = True) -> None:
+    def __init__(self, model: nn.Module, method: TTAMethod, source_ckpt: str | None = None, source_batches: bool = True,
+                 reset_each_domain: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "method"], logger=False)
         self.model = model
@@ -71,6 +81,8 @@ class TTAModule(pl.LightningModule):
         self.automatic_optimization = False
         self.source_ckpt = source_ckpt
         self.use_source_batches = source_batches
+        self.reset_each_domain = reset_each_domain
+        self._domain: int | None = None
         self.rows: list[dict[str, Any]] = []
         self._ready = False
 
@@ -81,13 +93,15 @@ class TTAModule(pl.LightningModule):
         if self._ready:
             return
         if self.source_ckpt is not None:
-            load_backbone(self.model, self.source_ckpt)
+            load_backbone(self.model, self.source_ckpt.replace("{seed}", str(run_seed())))
         batches = None
         dm = self.trainer.datamodule if self._trainer is not None else None
         if self.use_source_batches and isinstance(dm, SourceData):
             gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
             batches = _cycle(lambda: dm.source_dataloader(generator=gen))
         self.method.setup(self.model, batches)
+        if self.reset_each_domain:
+            self.method.snapshot_source()
         self._ready = True
 
     def on_test_start(self) -> None:
@@ -96,20 +110,29 @@ class TTAModule(pl.LightningModule):
                                "(config: `trainer: {inference_mode: false}`)")
         self._prepare()
         self.rows = []
+        self._domain = None
 
     def test_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         x, y = batch[0], batch[1]
         domain = int(batch[2][0]) if len(batch) > 2 else 0
         rec = int(batch[3][0]) if len(batch) > 3 else 0
+        if self.reset_each_domain and self._domain is not None and domain != self._domain:
+            self.method.reset()
+        self._domain = domain
+        self.method.domain = domain
         logits = self.method.forward_and_adapt(x)
         err = float((logits.argmax(dim=1) != y).float().mean())
         entropy = float(-(logits.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1).mean())  # Tent's objective
-        row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "error": err, "entropy": entropy}
+        row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "n": len(x), "error": err, "entropy": entropy}
         cluster = self.method.last_cluster
         if cluster is not None:
             row["cluster"] = cluster
         self.rows.append(row)
         self.log("test/error", err, on_step=False, on_epoch=True, prog_bar=True, batch_size=len(x))
+
+    def _domain_names(self) -> dict[int, str]:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        return dict(enumerate(getattr(dm, "corruptions", None) or []))
 
     def on_test_epoch_end(self) -> None:
         if not self.rows:
@@ -120,6 +143,14 @@ class TTAModule(pl.LightningModule):
             self.log(f"test/error_r{k}", v)
         self.log("test/error_mean", sum(r["error"] for r in self.rows) / len(self.rows))
         self.log("test/error_last", per_rec[recs[-1]])
+        names = self._domain_names()
+        accs = []
+        for d in sorted({r["domain"] for r in self.rows}):
+            rows = [r for r in self.rows if r["domain"] == d]
+            acc = 1.0 - sum(r["error"] * r["n"] for r in rows) / sum(r["n"] for r in rows)
+            self.log(f"test/acc_{names.get(d, f'd{d}')}", acc)
+            accs.append(acc)
+        self.log("test/acc_domains", sum(accs) / len(accs))  # mean over domains of the per-domain accuracy
         if "cluster" in self.rows[0]:
             clusters = [r["cluster"] for r in self.rows]
             self.log("test/clusters", float(len(set(clusters))))  # clusters that received batches
@@ -134,6 +165,8 @@ class TTAModule(pl.LightningModule):
 
         save_rows(self.trainer, self.rows, "tta_batches.csv")
         save_rows(self.trainer, [{"recurrence": k, "error": v} for k, v in per_rec.items()], "tta_recurrence.csv")
+        for name, rows in self.method.tables().items():
+            save_rows(self.trainer, rows, name)
         path = plot_recurrence({type(self.method).__name__: per_rec}, os.path.join(self.trainer.default_root_dir, "tta_recurrence.png"))
         log_image(self.trainer, "tta/recurrence", path)
 

@@ -1,0 +1,427 @@
+"""TRUST: test-time refinement of VMamba with uncertainty-guided SSM traversals and weight averaging.
+
+Dastani, Bahri, Vargas Hakim, Yazdanpanah, Noori, Osowiechi, Barbeau, Ben Ayed, Lombaert, Desrosiers,
+NeurIPS 2025 (arXiv 2509.22813). Official code: github.com/Sahardastani/trust.
+
+VMamba's SS2D scans a feature map in four directions, each with its own selective-scan parameter group
+(:mod:`lowrank_lit.models.vmamba`). A *traversal permutation* ``pi`` re-assigns group ``k`` to direction
+``pi(k)``, which gives several causal views of one image. Per test batch (online, non-episodic inside a
+domain; reset to the source weights and a fresh Adam at each new domain with
+``TTAModule(reset_each_domain=True)``):
+
+1. for each of the K traversals in order (``mode="sequential"``): set ``pi_k``; pseudo-label
+   ``y_hat = argmax`` of an eval-mode, no-grad forward; cross-entropy of a train-mode forward against
+   ``y_hat``; ``steps`` Adam steps; snapshot ``theta_k``. Weights carry over from k to k+1; ``"parallel"``
+   instead starts every k from the batch's starting weights and Adam state (inferred: the code's "source
+   state" read as the state this batch started from, so adaptation still accumulates across batches);
+2. ``theta = mean_k theta_k`` (``merge="mean"``) or SLERP with inverse-entropy weights (``"slerp"``:
+   pairwise spherical interpolation per tensor, ``theta <- slerp(theta, theta_k, w_k / sum_{j<=k} w_j)``,
+   ``w_k`` proportional to 1 / the mean entropy of traversal k's pseudo-label forward); load it and keep the
+   Adam state of the last step;
+3. predict the batch in eval mode with the default traversal ``abcd`` (the prediction is therefore
+   post-adaptation, unlike Tent's).
+
+Trainable set: the affine parameters of every BatchNorm (batch statistics, running statistics removed) or
+GroupNorm layer, and every SS2D parameter except ``out_norm`` (in_proj, conv2d, x_proj, dt_proj weight and
+bias, A_log, D, out_proj); the rest is frozen.
+
+Traversals: ``"ranked"`` ranks the 24 permutations by the source model's mean prediction entropy on the
+first batch of each domain (:func:`rank_traversals`) and keeps the K lowest -- the paper ranks offline on
+target data; ranking on the first batch keeps the method online (pass an offline ranking as a list to
+reproduce the paper's protocol exactly). ``"paper"`` uses the six of the official code (0123, 1023, 0132,
+3120, 1032, 0321, in the order of their ImageNet-C entropies), the first K of them.
+
+TRUST-naive (:class:`TrustNaive`) is the same loss and parameters with one traversal; Tent on the same
+backbone is ``lowrank_lit.tta.Tent(norms="batchnorm")``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowrank_lit.models.vmamba import PERMUTATIONS, SS2D, check_permutation, set_traversal
+from lowrank_lit.registry import register_method
+from lowrank_lit.report import markdown_table, register_summary
+from lowrank_lit.tta.base import TTAMethod, entropy
+
+__all__ = ["PAPER_TRAVERSALS", "trust_params", "traversal_entropies", "rank_traversals", "merge_mean", "merge_slerp",
+           "TRUST", "TrustNaive", "summary"]
+
+PAPER = "TRUST: Test-Time Refinement using Uncertainty-Guided SSM Traverses"
+MODES = ("sequential", "parallel")
+MERGES = ("mean", "slerp")
+IDENTITY = (0, 1, 2, 3)
+
+#: the official code's six traversals (abcd, bacd, abdc, dbca, badc, adcb), by ImageNet-C mean entropy
+#: (4.06, 4.47, 4.53, 4.53, 4.72, 5.00)
+PAPER_TRAVERSALS: tuple[tuple[int, ...], ...] = ((0, 1, 2, 3), (1, 0, 2, 3), (0, 1, 3, 2), (3, 1, 2, 0), (1, 0, 3, 2), (0, 3, 2, 1))
+
+
+def _ss2d_modules(model: nn.Module, where: str) -> list[SS2D]:
+    mods = [m for m in model.modules() if isinstance(m, SS2D)]
+    if not mods:
+        raise ValueError(f"{where}: {type(model).__name__} has no SS2D module (TRUST needs a VMamba backbone, "
+                         "e.g. lowrank_lit.models.vmamba.TinyVMamba)")
+    return mods
+
+
+def trust_params(model: nn.Module) -> list[nn.Parameter]:
+    """TRUST's trainable set: BatchNorm/GroupNorm affine parameters + every SS2D parameter except ``out_norm``."""
+    mods = _ss2d_modules(model, "trust_params")
+    norms = [p for m in model.modules() if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.GroupNorm))
+             for p in (m.weight, m.bias) if p is not None]
+    return norms + [p for m in mods for p in m.adaptable_parameters()]
+
+
+def _current_traversal(model: nn.Module) -> tuple[int, ...]:
+    return tuple(int(v) for v in _ss2d_modules(model, "traversal")[0].perm.tolist())
+
+
+def traversal_entropies(model: nn.Module, batches: Iterable[Any],
+                        permutations: Sequence[Sequence[int]] = PERMUTATIONS) -> list[tuple[tuple[int, ...], float]]:
+    """Mean prediction entropy of ``model`` (eval mode, no grad) under each permutation, over ``batches``
+    (tensors or ``(x, ...)`` tuples); the model's traversal and mode are restored afterwards."""
+    perms = [check_permutation(p, "traversal_entropies") for p in permutations]
+    before, was_training = _current_traversal(model), model.training
+    xs = [b[0] if isinstance(b, (tuple, list)) else b for b in batches]
+    if not xs:
+        raise ValueError("traversal_entropies: batches is empty")
+    out = []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for p in perms:
+                set_traversal(model, p)
+                total = sum(float(entropy(model(x)).sum()) for x in xs)
+                out.append((p, total / sum(len(x) for x in xs)))
+    finally:
+        set_traversal(model, before)
+        model.train(was_training)
+    return out
+
+
+def rank_traversals(model: nn.Module, loader: Iterable[Any], k: int) -> list[tuple[tuple[int, ...], float]]:
+    """The ``k`` traversals of lowest mean prediction entropy on ``loader``, as ``(perm, entropy)`` sorted by
+    entropy; ties (entropies equal to 1e-6) are broken by the permutation's lexicographic order.
+
+    Raises:
+        ValueError: ``k`` outside 1..24, or a model without SS2D modules.
+    """
+    if not isinstance(k, int) or not 1 <= k <= len(PERMUTATIONS):
+        raise ValueError(f"rank_traversals: k={k!r}; allowed: an integer in 1..24")
+    _ss2d_modules(model, "rank_traversals")
+    ents = traversal_entropies(model, loader)
+    return sorted(ents, key=lambda pe: (round(pe[1], 6), pe[0]))[:k]
+
+
+def merge_mean(snapshots: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Uniform average of parameter snapshots (each a list of tensors in the same order), as a running mean
+    ``m_k = m_{k-1} + (theta_k - m_{k-1}) / k`` so that identical snapshots average to themselves exactly."""
+    acc = [t.clone() for t in snapshots[0]]
+    for k, snap in enumerate(snapshots[1:], start=2):
+        for a, t in zip(acc, snap, strict=True):
+            a.add_((t - a) / k)
+    return acc
+
+
+def _slerp(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-7) -> torch.Tensor:
+    va, vb = a.flatten(), b.flatten()
+    cos = (va @ vb) / (va.norm() * vb.norm()).clamp_min(eps)
+    omega = torch.arccos(cos.clamp(-1.0, 1.0))
+    s = torch.sin(omega)
+    if float(s) < 1e-4:  # (anti)parallel or identical: linear interpolation
+        return (1 - t) * a + t * b
+    return (torch.sin((1 - t) * omega) / s) * a + (torch.sin(t * omega) / s) * b
+
+
+def merge_slerp(snapshots: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Weighted spherical interpolation per tensor: ``theta <- slerp(theta, theta_k, w_k / sum_{j<=k} w_j)``."""
+    if len(weights) != len(snapshots) or any(w <= 0 for w in weights):
+        raise ValueError(f"merge_slerp: {len(weights)} weights for {len(snapshots)} snapshots; allowed: one positive weight each")
+    acc, total = [t.clone() for t in snapshots[0]], float(weights[0])
+    for snap, w in zip(snapshots[1:], weights[1:], strict=True):
+        total += float(w)
+        acc = [_slerp(a, b, float(w) / total) for a, b in zip(acc, snap, strict=True)]
+    return acc
+
+
+def _check_lr_steps(where: str, lr: float, steps: int) -> None:
+    if not lr > 0:
+        raise ValueError(f"{where}: lr={lr!r}; allowed: > 0")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"{where}: steps={steps!r}; allowed: an integer >= 1")
+
+
+class _PseudoLabelMixin:
+    """The pseudo-label step both TRUST and TRUST-naive take under one traversal."""
+
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    steps: int
+
+    def _pseudo_label_steps(self, x: torch.Tensor, perm: Sequence[int]) -> float:
+        """Set ``perm``; label with an eval-mode no-grad forward; ``steps`` CE steps in train mode. Returns the
+        labelling forward's mean entropy."""
+        assert self.model is not None and self.optimizer is not None, "call setup() first"
+        set_traversal(self.model, perm)
+        self.model.eval()
+        with torch.no_grad():
+            logits = self.model(x)  # (B, classes)
+        y_hat = logits.argmax(dim=1)  # (B,)
+        self.model.train()
+        with torch.enable_grad():
+            for _ in range(self.steps):
+                loss = F.cross_entropy(self.model(x), y_hat)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+        return float(entropy(logits).mean())
+
+    def _predict_with(self, x: torch.Tensor, perm: Sequence[int]) -> torch.Tensor:
+        assert self.model is not None
+        set_traversal(self.model, perm)
+        self.model.eval()
+        with torch.no_grad():
+            return self.model(x)
+
+
+@register_method("trust", kind="Module", paper=PAPER)
+class TRUST(_PseudoLabelMixin, TTAMethod):
+    """TRUST test-time adaptation (see the module docstring); run it inside ``lowrank_lit.tta.TTAModule``.
+
+    Args:
+        k: traversals used per batch, 1..24. Default: 6.
+        lr: Adam learning rate. Default: 1e-4 (the paper's; 1e-3 in the digits experiment).
+        steps: Adam steps per traversal. Default: 1.
+        mode: ``sequential`` (weights carry over from traversal to traversal) or ``parallel`` (each traversal
+            starts from the batch's starting weights). Default: sequential.
+        merge: ``mean`` (uniform weight average) or ``slerp`` (inverse-entropy weighted SLERP). Default: mean.
+        traversals: ``ranked`` (the K lowest-entropy permutations on the first batch of each domain), ``paper``
+            (the official code's six, first K), or an explicit list of K permutations of 0..3. Default: ranked.
+        eval_traversal: the traversal of the final prediction. Default: (0, 1, 2, 3) (abcd).
+        betas: Adam's coefficients. Default: (0.9, 0.999).
+
+    Raises:
+        ValueError: on a bad argument (the message names it and the allowed values), or at setup for a model
+            without SS2D modules.
+    """
+
+    def __init__(self, k: int = 6, lr: float = 1e-4, steps: int = 1, mode: str = "sequential", merge: str = "mean",
+                 traversals: str | list[list[int]] = "ranked", eval_traversal: list[int] | tuple[int, ...] = IDENTITY,
+                 betas: tuple[float, float] = (0.9, 0.999)) -> None:
+        super().__init__(lr, betas)
+        _check_lr_steps("TRUST", lr, steps)
+        if not isinstance(k, int) or not 1 <= k <= len(PERMUTATIONS):
+            raise ValueError(f"TRUST: k={k!r}; allowed: an integer in 1..24")
+        if mode not in MODES:
+            raise ValueError(f"TRUST: mode={mode!r}; allowed: {', '.join(MODES)}")
+        if merge not in MERGES:
+            raise ValueError(f"TRUST: merge={merge!r}; allowed: {', '.join(MERGES)}")
+        self.fixed: list[tuple[int, ...]] | None = None
+        if isinstance(traversals, str):
+            if traversals not in ("ranked", "paper"):
+                raise ValueError(f"TRUST: traversals={traversals!r}; allowed: ranked, paper, or a list of permutations of 0..3")
+            if traversals == "paper":
+                if k > len(PAPER_TRAVERSALS):
+                    raise ValueError(f"TRUST: k={k} with traversals='paper'; allowed: k <= 6 (the official code's six)")
+                self.fixed = list(PAPER_TRAVERSALS[:k])
+        else:
+            perms = [check_permutation(p, "TRUST") for p in traversals]
+            if len(perms) != k or len(set(perms)) != k:
+                raise ValueError(f"TRUST: traversals has {len(perms)} ({len(set(perms))} distinct) permutations; "
+                                 f"allowed: exactly k={k} distinct ones")
+            self.fixed = perms
+        self.k, self.steps, self.mode, self.merge = k, steps, mode, merge
+        self.eval_traversal = check_permutation(eval_traversal, "TRUST")
+        self.order: list[tuple[int, ...]] | None = self.fixed
+        self.last_entropies: list[float] = []
+        self.rankings: list[dict[str, Any]] = []
+
+    def select_params(self, model: nn.Module) -> list[nn.Parameter]:
+        return trust_params(model)
+
+    def reset(self) -> None:
+        super().reset()
+        self.order = self.fixed  # a new domain is ranked again
+
+    def _rank(self, x: torch.Tensor) -> list[tuple[int, ...]]:
+        assert self.model is not None
+        ents = traversal_entropies(self.model, [x])
+        ranked = sorted(ents, key=lambda pe: (round(pe[1], 6), pe[0]))
+        for r, (p, e) in enumerate(ranked):
+            self.rankings.append({"domain": self.domain, "rank": r, "perm": "".join(map(str, p)), "entropy": e})
+        return [p for p, _ in ranked[: self.k]]
+
+    def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        """Adapt on ``x`` over the K traversals, merge, and return the merged model's logits ``(B, classes)``."""
+        assert self.model is not None and self.optimizer is not None, "call setup() first"
+        self._check_batch(x)
+        if self.order is None:
+            self.order = self._rank(x)
+        start = self.get_state() if self.mode == "parallel" else None
+        snapshots, ents = [], []
+        for i, perm in enumerate(self.order):
+            if start is not None and i > 0:
+                self.set_state(start)
+            ents.append(self._pseudo_label_steps(x, perm))
+            snapshots.append(self.get_params())
+        self.last_entropies = ents
+        if self.merge == "mean":
+            merged = merge_mean(snapshots)
+        else:
+            merged = merge_slerp(snapshots, [1.0 / max(e, 1e-8) for e in ents])
+        self.load_params(merged)
+        return self._predict_with(x, self.eval_traversal)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_batch(x)
+        return self._predict_with(x, self.eval_traversal)
+
+    def tables(self) -> dict[str, list[dict[str, Any]]]:
+        return {"trust_traversals.csv": self.rankings} if self.rankings else {}
+
+
+class TrustNaive(_PseudoLabelMixin, TTAMethod):
+    """TRUST-naive: TRUST's pseudo-label loss and parameters under one traversal, no averaging.
+
+    Args:
+        lr: Adam learning rate. Default: 1e-4.
+        steps: Adam steps per batch. Default: 1.
+        traversal: the traversal adapted under. Default: (0, 1, 2, 3).
+        eval_traversal: the traversal of the prediction. Default: (0, 1, 2, 3).
+        betas: Adam's coefficients. Default: (0.9, 0.999).
+    """
+
+    def __init__(self, lr: float = 1e-4, steps: int = 1, traversal: list[int] | tuple[int, ...] = IDENTITY,
+                 eval_traversal: list[int] | tuple[int, ...] = IDENTITY, betas: tuple[float, float] = (0.9, 0.999)) -> None:
+        super().__init__(lr, betas)
+        _check_lr_steps("TrustNaive", lr, steps)
+        self.steps = steps
+        self.traversal = check_permutation(traversal, "TrustNaive")
+        self.eval_traversal = check_permutation(eval_traversal, "TrustNaive")
+
+    def select_params(self, model: nn.Module) -> list[nn.Parameter]:
+        return trust_params(model)
+
+    def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_batch(x)
+        self._pseudo_label_steps(x, self.traversal)
+        return self._predict_with(x, self.eval_traversal)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_batch(x)
+        return self._predict_with(x, self.eval_traversal)
+
+
+# -- reports ---------------------------------------------------------------------------------------
+
+def _method_label(entry: dict[str, Any]) -> str:
+    name = entry["class_path"].rsplit(".", 1)[-1]
+    args = entry.get("init_args") or {}
+    if name == "TRUST" and (args.get("mode", "sequential") != "sequential" or args.get("merge", "mean") != "mean"):
+        return f"TRUST ({args.get('mode', 'sequential')}, {args.get('merge', 'mean')})"
+    if name == "SourceOnly":
+        return "source" if args.get("batch_stats") is False else "source + test-batch BN statistics"
+    return {"TrustNaive": "TRUST-naive"}.get(name, name)
+
+
+def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
+    """Method, seed and accuracy per corruption of each TTA run (from ``metrics.csv`` and the saved config)."""
+    from pathlib import Path
+
+    from lowrank_lit.report import last_values, read_config
+
+    out = []
+    for d in run_dirs:
+        cfg = read_config(d)
+        vals = last_values(Path(d) / "metrics.csv")
+        accs = {k[len("test/acc_"):]: v for k, v in vals.items() if k.startswith("test/acc_") and k != "test/acc_domains"}
+        out.append({"method": _method_label(cfg["model"]["init_args"]["method"]), "seed": cfg.get("seed_everything"),
+                    "accs": accs})
+    return out
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: accuracy per corruption and mean per method (mean over the runs' seeds; seeds counted)."""
+    corrs = sorted({c for r in rows for c in r["accs"]})
+    by: dict[str, list[dict[str, float]]] = {}
+    for r in rows:
+        by.setdefault(r["method"], []).append(r["accs"])
+    table = []
+    for method, runs in by.items():
+        per = {c: [a[c] for a in runs if c in a] for c in corrs}
+        means = [sum(a.values()) / len(a) for a in runs if a]
+        table.append([method, len(runs), *(f"{sum(v) / len(v):.3f}" if v else "-" for v in per.values()),
+                      f"{sum(means) / len(means):.3f}"])
+    return markdown_table(["method", "runs", *corrs, "mean"], table)
+
+
+def traversal_spread(run_dirs: list[str]) -> str:
+    """Markdown: per corruption, the lowest and highest mean entropy over the 24 traversals (first batch, source
+    model; mean over the runs with a ``trust_traversals.csv``), their spread, and how often the default
+    traversal ``0123`` was among the K kept."""
+    import csv
+    import os
+
+    from lowrank_lit.report import read_config
+
+    per: dict[str, list[tuple[float, float, bool]]] = {}
+    for d in run_dirs:
+        path = os.path.join(d, "trust_traversals.csv")
+        if not os.path.isfile(path):
+            continue
+        cfg = read_config(d)
+        names = cfg["data"]["init_args"].get("corruptions") or []
+        k = int((cfg["model"]["init_args"]["method"].get("init_args") or {}).get("k", 6))
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        for dom in sorted({int(r["domain"]) for r in rows}):
+            ents = sorted((int(r["rank"]), float(r["entropy"]), r["perm"]) for r in rows if int(r["domain"]) == dom)
+            name = names[dom] if dom < len(names) else f"d{dom}"
+            per.setdefault(name, []).append((min(e for _, e, _ in ents), max(e for _, e, _ in ents),
+                                             "0123" in [p for _, _, p in ents[:k]]))
+    table = []
+    for name, vals in sorted(per.items()):
+        lo, hi = (sum(v[i] for v in vals) / len(vals) for i in (0, 1))
+        table.append([name, len(vals), f"{lo:.3f}", f"{hi:.3f}", f"{hi - lo:.3f}", f"{sum(v[2] for v in vals)}/{len(vals)}"])
+    return markdown_table(["corruption", "runs", "lowest entropy", "highest entropy", "spread", "0123 kept"], table)
+
+
+@register_summary("trust", help="accuracy per corruption of TRUST, TRUST-naive, Tent and the source model")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Accuracy per corruption and method (mean over seeds) of ``lowrank test`` runs, and the traversal-entropy
+    spread of the TRUST runs; ``out``: a bar plot."""
+    from lowrank_lit.report import find_runs
+
+    dirs = find_runs(roots, "tta_batches.csv", required=True)
+    rows = summarize(dirs)
+    if out:
+        plot_accuracy(rows, out)
+    spread = traversal_spread(dirs)
+    return summary_table(rows) + ("\n\nEntropy over the 24 traversals (source model, first batch):\n\n" + spread
+                                  if spread.count("\n") > 1 else "")
+
+
+def plot_accuracy(rows: list[dict[str, Any]], out: str) -> str:
+    """Grouped bars: mean accuracy per corruption, one bar per method."""
+    from lowrank_lit.report import new_figure, save_figure
+
+    corrs = sorted({c for r in rows for c in r["accs"]})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = new_figure(figsize=(7.5, 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        runs = [r["accs"] for r in rows if r["method"] == m]
+        vals = [sum(a.get(c, math.nan) for a in runs) / len(runs) for c in corrs]
+        ax.bar([j + i * width for j in range(len(corrs))], vals, width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(corrs))], corrs, rotation=20, fontsize=8)
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    return save_figure(fig, out)
