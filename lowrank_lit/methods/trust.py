@@ -38,6 +38,7 @@ backbone is ``lowrank_lit.tta.Tent(norms="batchnorm")``.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -331,6 +332,14 @@ def _method_label(entry: dict[str, Any]) -> str:
     return {"TrustNaive": "TRUST-naive"}.get(name, name)
 
 
+_ORDER = ("source", "source + test-batch BN statistics", "Tent", "TRUST-naive", "TRUST")
+
+
+def _sort_key(row: dict[str, Any]) -> tuple[int, str]:
+    m = row["method"]
+    return (_ORDER.index(m) if m in _ORDER else len(_ORDER), m)
+
+
 def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Method, seed and accuracy per corruption of each TTA run (from ``metrics.csv`` and the saved config)."""
     from pathlib import Path
@@ -344,7 +353,7 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
         accs = {k[len("test/acc_"):]: v for k, v in vals.items() if k.startswith("test/acc_") and k != "test/acc_domains"}
         out.append({"method": _method_label(cfg["model"]["init_args"]["method"]), "seed": cfg.get("seed_everything"),
                     "accs": accs})
-    return out
+    return sorted(out, key=_sort_key)
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -393,6 +402,20 @@ def traversal_spread(run_dirs: list[str]) -> str:
     return markdown_table(["corruption", "runs", "lowest entropy", "highest entropy", "spread", "0123 kept"], table)
 
 
+def seed_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: accuracy averaged over every corruption run of a method and seed, one column per seed."""
+    by: dict[str, dict[Any, list[float]]] = {}
+    for r in rows:
+        by.setdefault(r["method"], {}).setdefault(r["seed"], []).extend(r["accs"].values())
+    seeds = sorted({r["seed"] for r in rows}, key=str)
+    table = []
+    for method, per in by.items():
+        vals = [sum(per[s]) / len(per[s]) if per.get(s) else None for s in seeds]
+        got = [v for v in vals if v is not None]
+        table.append([method, *("-" if v is None else f"{v:.3f}" for v in vals), f"{sum(got) / len(got):.3f}"])
+    return markdown_table(["method", *(f"seed {s}" for s in seeds), "mean"], table)
+
+
 @register_summary("trust", help="accuracy per corruption of TRUST, TRUST-naive, Tent and the source model")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Accuracy per corruption and method (mean over seeds) of ``lowrank test`` runs, and the traversal-entropy
@@ -404,7 +427,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
     if out:
         plot_accuracy(rows, out)
     spread = traversal_spread(dirs)
-    return summary_table(rows) + ("\n\nEntropy over the 24 traversals (source model, first batch):\n\n" + spread
+    return summary_table(rows) + "\n\nMean over the corruptions per seed:\n\n" + seed_table(rows) + ("\n\nEntropy over the 24 traversals (source model, first batch):\n\n" + spread
                                   if spread.count("\n") > 1 else "")
 
 
@@ -414,14 +437,14 @@ def plot_accuracy(rows: list[dict[str, Any]], out: str) -> str:
 
     corrs = sorted({c for r in rows for c in r["accs"]})
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = new_figure(figsize=(7.5, 4))
+    fig, ax = new_figure(figsize=(9.5, 4))
     width = 0.8 / max(len(methods), 1)
     for i, m in enumerate(methods):
         runs = [r["accs"] for r in rows if r["method"] == m]
-        vals = [sum(a.get(c, math.nan) for a in runs) / len(runs) for c in corrs]
+        vals = [statistics.fmean(a[c] for a in runs if c in a) if any(c in a for a in runs) else math.nan for c in corrs]
         ax.bar([j + i * width for j in range(len(corrs))], vals, width, label=m)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(corrs))], corrs, rotation=20, fontsize=8)
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save_figure(fig, out)
