@@ -99,6 +99,7 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
     "bayes_prefix": (_fit("bayes_prefix/pretrain_transformer.yaml"), [68.13843536376953, 64.33965301513672, 63.65904998779297]),
     "icl_rank_retriever": (_fit("icl_rank_retriever/synthetic_hybrid.yaml"), [5.87391996383667, 5.630967140197754, 5.524951457977295]),
     "masked_block_icl": (_fit("masked_block_icl/unconstrained.yaml"), [0.19583538174629211, 0.1905636042356491, 0.16884338855743408]),
+    "skrull": (_fit("skrull/sft_skrull.yaml", "--data.init_args.num_sequences=96"), [4.998631000518799, 4.642714500427246, 4.273272514343262]),
     "trust": (_trust, [2.260313034057617, 2.2700436115264893, 2.2647626399993896]),
     "pinv_bounds": (_pinv, [9.53239879028542, 3.793205535636699, 0.5225886098338843]),
 }
