@@ -1,6 +1,7 @@
 """Skrull's scheduling simulation: iteration time of uniform CP, sorted batching, DACP only and GDS + DACP.
 
     python benchmarks/skrull_sim.py [--batches 5] [--global-batch 256] [--dp 4] [--cp 8] [--bucket 26000] [--calibrate]
+                                    [--plot docs/methods/skrull_plan.png] [--memory]
 
 Global batches from a long-tail mix (90 % U[32, 1024], 10 % U[4K, 32K]) and a bimodal mix (50 % U[256, 2K], 50 %
 U[16K, 64K]); cost model of Qwen2.5-0.5B (h 896, h_kv 128, 24 layers) on H100-like numbers (400 TFLOP/s x
@@ -22,6 +23,7 @@ from lowrank_lit.methods.skrull import (
     SkrullCostModel,
     baseline_plan,
     dacp_only_plan,
+    plot_plan,
     simulate_iteration,
     skrull_plan,
     sorted_plan,
@@ -51,6 +53,23 @@ def calibrated_knee(hidden: int = 128) -> tuple[float, float]:
     return cost.knee, cost.comp_fit[1] / cost.comp_fit[0]  # launch expressed in effective FLOPs
 
 
+def measured_memory() -> str:
+    """Activation bytes per token of the CPU run's transformer (2 layers, d 128), from the tensors saved for backward."""
+    from lowrank_lit.methods.skrull import fit_memory, micro_batch_loss
+    from lowrank_lit.nn.context_parallel import PackedCausalLM
+
+    torch.manual_seed(0)
+    model = PackedCausalLM(vocab_size=128, d_model=128, heads=4, layers=2, max_len=2048)
+
+    def run(S: int) -> torch.Tensor:
+        return micro_batch_loss(model, [torch.randint(0, 128, (S,))], S - 1)
+
+    alpha, beta = fit_memory(run, (256, 1024))
+    cost = SkrullCostModel(mem_alpha=alpha, mem_beta=max(beta, 0.0))
+    return (f"measured activation memory (2-layer d 128 transformer, 256 and 1024 tokens): alpha {alpha / 1024:.1f} KiB/token, "
+            f"beta {beta / 2**20:.2f} MiB; bucket for a 1 GiB activation budget: {cost.bucket_size(2**30)} tokens\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, default=5)
@@ -60,7 +79,11 @@ def main() -> None:
     p.add_argument("--bucket", type=int, default=26000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibrate", action="store_true")
+    p.add_argument("--plot", default=None, help="Gantt chart of DP rank 0's micro-batches of the first long-tail batch")
+    p.add_argument("--memory", action="store_true", help="also measure activation bytes per token on this CPU")
     args = p.parse_args()
+    if args.memory:
+        print(measured_memory())
     cost = SkrullCostModel()
     if args.calibrate:
         knee, launch_flops = calibrated_knee()
@@ -80,6 +103,9 @@ def main() -> None:
                 "DACP only": (dacp_only_plan(lengths, args.bucket, args.cp, args.dp, cost), True),
                 "GDS + DACP (Skrull)": (skrull_plan(lengths, args.bucket, args.cp, args.dp, cost), True),
             }
+            if args.plot and mix == "long-tail" and not totals:
+                plot_plan(lengths, {name: plan[0] for name, (plan, _) in plans.items() if name != "sorted batching"}, cost,
+                          args.cp, args.plot, overlap={name: ov for name, (_, ov) in plans.items()})
             for name, (plan, overlap) in plans.items():
                 r = simulate_iteration(lengths, plan, cost, args.cp, overlap=overlap)
                 t = totals.setdefault(name, [0.0, 0.0, 0.0])

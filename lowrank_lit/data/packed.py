@@ -136,6 +136,7 @@ class PackedSFTDataModule(pl.LightningDataModule):
         planner: the schedule (``lowrank_lit.methods.skrull.SkrullPlanner(bucket, cp, schedule)``).
         global_batch_size: sequences per optimizer step over all DP ranks. Default: 32.
         jsonl: a jsonl file with a ``text`` field per line (your SFT data); None: stdlib sources. Default: None.
+        tokenizer: a local ``transformers`` tokenizer folder for the jsonl texts; None: bytes < 128. Default: None.
         max_length: longest sequence kept (longer jsonl texts are cut). Default: 2048.
         data_seed: seed of lengths and windows; None: the run seed. Default: None.
     """
@@ -144,7 +145,7 @@ class PackedSFTDataModule(pl.LightningDataModule):
 
     def __init__(self, planner: Planner, mix: str = "long_tail", num_sequences: int = 512, val_sequences: int = 64,
                  global_batch_size: int = 32, jsonl: str | None = None, max_length: int = 2048,
-                 data_seed: int | None = None) -> None:
+                 data_seed: int | None = None, tokenizer: str | None = None) -> None:
         super().__init__()
         if mix not in LENGTH_MIXES:
             raise ValueError(f"PackedSFTDataModule: mix={mix!r}; allowed: {', '.join(LENGTH_MIXES)}")
@@ -155,12 +156,19 @@ class PackedSFTDataModule(pl.LightningDataModule):
             raise FileNotFoundError(f"PackedSFTDataModule: jsonl={jsonl!r} does not exist")
         self.mix, self.num_sequences, self.val_sequences = mix, num_sequences, val_sequences
         self.planner, self.global_batch_size = planner, global_batch_size
-        self.jsonl, self.max_length, self.data_seed = jsonl, max_length, data_seed
+        if tokenizer is not None and (jsonl is None or not os.path.isdir(tokenizer)):
+            raise ValueError(f"PackedSFTDataModule: tokenizer={tokenizer!r}; allowed: a local tokenizer folder, with jsonl= set")
+        self.jsonl, self.max_length, self.data_seed, self.tokenizer = jsonl, max_length, data_seed, tokenizer
         self.train_set: PlannedSequences | None = None
         self.val_set: PlannedSequences | None = None
 
     def _texts(self, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if self.jsonl is not None:
+            tok = None
+            if self.tokenizer is not None:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(self.tokenizer, local_files_only=True)
             seqs = []
             with open(self.jsonl) as f:
                 for ln, line in enumerate(f):
@@ -170,8 +178,11 @@ class PackedSFTDataModule(pl.LightningDataModule):
                         text = json.loads(line)["text"]
                     except (json.JSONDecodeError, KeyError, TypeError):
                         raise ValueError(f"PackedSFTDataModule: {self.jsonl}:{ln + 1} is not a json object with a 'text' field") from None
-                    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-                    data = data[data < self.vocab_size][: self.max_length]
+                    if tok is not None:
+                        data = np.asarray(tok(text)["input_ids"][: self.max_length], dtype=np.int64)
+                    else:
+                        data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+                        data = data[data < self.vocab_size][: self.max_length]
                     if len(data) >= 2:
                         seqs.append(torch.as_tensor(data.astype(np.int64)))
             n_val = max(1, len(seqs) // 10)

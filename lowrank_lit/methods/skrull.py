@@ -52,6 +52,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import register_summary
 
 __all__ = ["SkrullSFTModule", "SkrullPlanner", "micro_batch_loss", "SchedulingError", "SkrullCostModel", "fit_memory", "saved_tensor_bytes", "dacp_plan", "gds_plan",
            "baseline_plan", "sorted_plan", "dacp_only_plan", "skrull_plan", "simulate_iteration", "plan_tokens"]
@@ -480,7 +481,7 @@ class SkrullSFTModule(pl.LightningModule):
     number an all-reduce of the per-rank counts gives), times the DP world size because DDP averages gradients;
     all but the last micro-batch run under DDP's ``no_sync``; so the update equals one step on the whole global
     batch up to floating-point reassociation, whatever the schedule. Logged: ``train/loss`` (mean token loss of
-    the global batch), ``train/micro_batches``, ``val/loss``.
+    the global batch), ``train/micro_batches``, ``train/step_s`` (wall time of the step), ``val/loss``.
 
     Args:
         model: the network (``lowrank_lit.nn.context_parallel.PackedCausalLM``).
@@ -508,6 +509,9 @@ class SkrullSFTModule(pl.LightningModule):
         return wrapped.no_sync()
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        import time
+
+        start = time.perf_counter()
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
         world = self.trainer.world_size
@@ -526,7 +530,74 @@ class SkrullSFTModule(pl.LightningModule):
         loss = self.trainer.strategy.reduce(torch.tensor(total), reduce_op="sum")  # the ranks' shares add up
         self.log("train/loss", loss, prog_bar=True, batch_size=1)
         self.log("train/micro_batches", float(len(mbs)), batch_size=1)
+        self.log("train/step_s", time.perf_counter() - start, batch_size=1)  # wall time of the whole global-batch step
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         total = sum(float(micro_batch_loss(self.model, seqs, batch["global_targets"])) for seqs in batch["micro_batches"])
         self.log("val/loss", self.trainer.strategy.reduce(torch.tensor(total), reduce_op="sum"), prog_bar=True, batch_size=1)
+
+
+def plot_plan(lengths: Sequence[int], plans: dict[str, Sequence[MicroBatch]], cost: SkrullCostModel, cp: int, out: str,
+              overlap: dict[str, bool] | None = None) -> str:
+    """Gantt chart of one DP rank's micro-batches under each named plan: per CP rank, local compute (solid),
+    K/V communication of the sharded sequences (hatched, overlapping local compute when the plan overlaps) and
+    the sharded sequences' compute (light); micro-batches one after the other."""
+    from lowrank_lit.report import new_figure, save_figure
+
+    lens = list(lengths)
+    fig, axes = new_figure(nrows=len(plans), figsize=(9, 1.2 + 0.28 * cp * len(plans)), squeeze=False)
+    for ax, (name, mbs) in zip(axes[:, 0], plans.items(), strict=True):
+        ov = True if overlap is None else overlap.get(name, True)
+        t0 = 0.0
+        for mb in mbs:
+            idx, place = mb
+            dist = [lens[k] for k, p in zip(idx, place, strict=True) if p < 0]
+            t_dist = sum(cost.t_comp(s, cp) for s in dist)
+            t_comm = sum(cost.t_comm(s, cp) for s in dist)
+            for j in range(cp):
+                t_loc = sum(cost.t_comp(lens[k]) for k, p in zip(idx, place, strict=True) if p == j)
+                ax.barh(j, t_loc, left=t0, color="tab:blue", height=0.8)
+                ax.barh(j, t_comm, left=t0 if ov else t0 + t_loc, color="none", edgecolor="tab:orange", hatch="///", height=0.8)
+                start = t0 + (max(t_comm, t_loc) if ov else t_comm + t_loc)
+                ax.barh(j, t_dist, left=start, color="tab:cyan", height=0.8)
+            t0 += micro_batch_time(lens, mb, cp, cost, ov)
+            ax.axvline(t0, color="k", lw=0.6)
+        ax.set_title(f"{name}: {t0:.3f} s", fontsize=9)
+        ax.set_ylabel("CP rank")
+        ax.set_yticks(range(cp))
+    axes[-1, 0].set_xlabel("time (s)")
+    from matplotlib.patches import Patch
+
+    axes[0, 0].legend(handles=[Patch(color="tab:blue", label="local sequences"), Patch(color="tab:cyan", label="sharded sequences"),
+                               Patch(facecolor="none", edgecolor="tab:orange", hatch="///", label="K/V all-gather")],
+                      fontsize=7, loc="upper right")
+    return save_figure(fig, out)
+
+
+@register_summary("skrull", help="loss and step time per schedule and length mix of SkrullSFTModule runs")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Markdown: per schedule and mix (mean over seeds), the final train and validation loss, micro-batches per
+    step and the median step time (the first step excluded)."""
+    import csv
+    import statistics as st
+    from pathlib import Path
+
+    from lowrank_lit.report import find_runs, markdown_table, read_config
+
+    by: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    for d in find_runs(roots, "metrics.csv", required=True):
+        cfg = read_config(d)
+        data = cfg["data"]["init_args"]
+        key = (data["planner"]["init_args"].get("schedule", "skrull"), data.get("mix", "long_tail"))
+        with open(Path(d) / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        train = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+        val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
+        steps = [float(r["train/step_s"]) for r in rows if r.get("train/step_s")][1:]
+        mbs = [float(r["train/micro_batches"]) for r in rows if r.get("train/micro_batches")]
+        if train and val and steps:
+            by.setdefault(key, []).append((train[-1], val[-1], st.fmean(mbs), st.median(steps)))
+    table = [[sch, mix, len(v), *(f"{st.fmean(x[i] for x in v):.3f}" for i in range(3)), f"{1e3 * st.fmean(x[3] for x in v):.0f}"]
+             for (sch, mix), v in sorted(by.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0])))]
+    return markdown_table(["schedule", "mix", "runs", "final train/loss", "final val/loss", "micro-batches / step",
+                           "step (ms)"], table)

@@ -21,7 +21,7 @@ from torch import nn
 
 from lowrank_lit.optim import WarmupCosineLR, matrix_param_groups
 
-__all__ = ["llama", "CausalLanguageModel"]
+__all__ = ["llama", "CausalLanguageModel", "PaddedCausalLM"]
 
 
 def llama(
@@ -139,3 +139,54 @@ class CausalLanguageModel(pl.LightningModule):
         if isinstance(scheduler, WarmupCosineLR) and scheduler.total_steps is None:
             scheduler.set_total_steps(int(self.trainer.estimated_stepping_batches))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class PaddedCausalLM(nn.Module):
+    """Any ``transformers`` causal LM behind the packed-batch interface of
+    :class:`lowrank_lit.nn.context_parallel.PackedCausalLM` (``forward(packed)``, ``targets(packed)``), for
+    Skrull's data-parallel training: the whole sequences of a micro-batch are padded to the longest (attention
+    mask; positions restart at 0 per sequence, so no sequence attends to another) and the logits come back in
+    the packed order.
+
+    Args:
+        model: a causal LM module (e.g. :func:`llama`); or None with ``name_or_path``. Default: None.
+        name_or_path: a local folder with a ``from_pretrained`` checkpoint (your model; nothing is downloaded). Default: None.
+        dtype: ``float32`` or ``bfloat16`` for ``name_or_path``. Default: float32.
+    """
+
+    def __init__(self, model: nn.Module | None = None, name_or_path: str | None = None, dtype: str = "float32") -> None:
+        super().__init__()
+        if (model is None) == (name_or_path is None):
+            raise ValueError("PaddedCausalLM: give exactly one of model= or name_or_path=")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"PaddedCausalLM: dtype={dtype!r}; allowed: float32, bfloat16")
+        if model is None:
+            import os
+
+            from transformers import AutoModelForCausalLM
+
+            if not os.path.isdir(str(name_or_path)):
+                raise FileNotFoundError(f"PaddedCausalLM: name_or_path={name_or_path!r} is not a local folder")
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, torch_dtype=getattr(torch, dtype), local_files_only=True)
+        self.model = model
+
+    def forward(self, packed: dict[str, Any], group: Any = None) -> torch.Tensor:
+        dist = packed["dist"]["tokens"]
+        if group is not None or len(dist):
+            raise ValueError("PaddedCausalLM runs whole sequences only (data parallel); sharded sequences need "
+                             "lowrank_lit.nn.context_parallel.PackedCausalLM")
+        loc = packed["local"]
+        _, counts = torch.unique_consecutive(loc["seq"], return_counts=True)
+        seqs = torch.split(loc["tokens"], counts.tolist())
+        longest = int(counts.max())
+        ids = torch.zeros(len(seqs), longest, dtype=torch.long, device=loc["tokens"].device)  # (B, L)
+        mask = torch.zeros_like(ids)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = s
+            mask[i, : len(s)] = 1
+        logits = self.model(input_ids=ids, attention_mask=mask).logits  # (B, L, V)
+        return torch.cat([logits[i, : len(s)] for i, s in enumerate(seqs)])
+
+    @staticmethod
+    def targets(packed: dict[str, Any]) -> torch.Tensor:
+        return torch.cat([packed["local"]["targets"], packed["dist"]["targets"]])

@@ -264,3 +264,51 @@ def test_must_show_simulation():
         assert t["gds"] < t["dacp"] < t["base"], (mix, t)
         speed[mix] = t["base"] / t["gds"]
     assert speed["long-tail"] > speed["bimodal"], speed
+
+
+def test_padded_hf_model_gives_per_sequence_losses_and_equal_gradients():
+    import torch.nn.functional as F
+
+    from lowrank_lit.models.lm import PaddedCausalLM, llama
+
+    torch.manual_seed(0)
+    hf = llama(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, context=64)
+    model = PaddedCausalLM(hf)
+    lens = [5, 30, 9, 17]
+    seqs = _seqs(lens)
+    total = sum(n - 1 for n in lens)
+    loss = micro_batch_loss(model, seqs, total)
+    with torch.no_grad():
+        ref = sum(F.cross_entropy(hf(input_ids=s[None]).logits[0, :-1], s[1:], reduction="sum") for s in seqs) / total
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    whole = [p.grad.clone() for p in hf.parameters()]
+    hf.zero_grad()
+    for idx, _ in skrull_plan(lens, 20, 2, 1)[0]:
+        micro_batch_loss(model, [seqs[k] for k in idx], total).backward()
+    for a, p in zip(whole, hf.parameters(), strict=True):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="exactly one of model= or name_or_path="):
+        PaddedCausalLM()
+    with pytest.raises(ValueError, match="sharded sequences need"):
+        cp_loss_backward(model, seqs, [-1, 0, 0, 0], 0, 2)
+
+
+def test_jsonl_sequences_and_bad_files(tmp_path):
+    import json
+
+    from lowrank_lit.data.packed import PackedSFTDataModule
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(json.dumps({"text": "x" * n}) for n in (5, 40, 300, 12, 7, 90, 3, 64, 22, 18, 11)) + "\n")
+    dm = PackedSFTDataModule(SkrullPlanner(256), jsonl=str(path), global_batch_size=4, max_length=256)
+    dm.setup("fit")
+    assert [len(s) for s in dm.val_set.sequences] == [5] and max(len(s) for s in dm.train_set.sequences) == 256
+    item = next(iter(dm.train_dataloader()))
+    assert sum(len(mb) for mb in item["micro_batches"]) == 4 and item["global_targets"] == sum(len(s) - 1 for mb in item["micro_batches"] for s in mb)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no text"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1 is not a json object with a 'text' field"):
+        PackedSFTDataModule(SkrullPlanner(256), jsonl=str(bad), max_length=256).setup("fit")
+    with pytest.raises(ValueError, match="max_length=4096 > the planner's longest placeable sequence"):
+        PackedSFTDataModule(SkrullPlanner(1024, cp=2), max_length=4096)
