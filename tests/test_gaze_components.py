@@ -1,0 +1,121 @@
+"""3DPE-Gaze building blocks (paper 10): losses, zones, concepts, predictor, frozen prior (card section 5)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowrank_lit.data.heads import gaze_from_angles, sample_params
+from lowrank_lit.methods.gaze_3dpe import (
+    ZONE_EDGES,
+    ZONES,
+    ConceptBank,
+    FacePriorGazePredictor,
+    ParamEncoder,
+    ThreeDPEGaze,
+    angular_loss,
+    domain_phrase_indices,
+    domain_repel_loss,
+    gaze_align_loss,
+    gaze_zone,
+)
+
+
+def test_angular_loss_limits_scaling_and_gradient():
+    g = F.normalize(torch.randn(8, 3), dim=1)
+    assert float(angular_loss(g, g)) < 1e-3
+    assert float(angular_loss(-g, g)) == pytest.approx(math.pi, abs=1e-3)
+    assert float(angular_loss(3.7 * g + 0, g)) == pytest.approx(float(angular_loss(g, g)), abs=1e-6)
+    pred = g.clone().requires_grad_(True)
+    angular_loss(pred, g).backward()
+    assert torch.isfinite(pred.grad).all()
+
+
+def test_align_and_repel_losses():
+    zone_emb = F.normalize(torch.randn(9, 16), dim=1)
+    z = torch.zeros(4, 16)  # equal similarities to every zone
+    assert float(gaze_align_loss(z, zone_emb, torch.tensor([0, 3, 5, 8]))) == pytest.approx(math.log(9), abs=1e-6)
+    target = torch.tensor([2])
+    far = F.normalize(torch.randn(1, 16), dim=1)
+    near = F.normalize(far + 5 * zone_emb[2:3], dim=1)
+    assert float(gaze_align_loss(near, zone_emb, target)) < float(gaze_align_loss(far, zone_emb, target))
+    dom = F.normalize(torch.randn(3, 2, 16), dim=2)
+    z = F.normalize(torch.randn(3, 16), dim=1)
+    low = -torch.ones(3, 2, 16) * 0  # zero similarity
+    assert float(domain_repel_loss(z, low, 0.2)) == 0.0
+    zz = dom[:, 0].clone().requires_grad_(True)  # sim 1 with the first phrase: above the margin
+    loss = domain_repel_loss(zz, dom, 0.2)
+    assert float(loss) > 0
+    loss.backward()
+    step = F.normalize(zz - 0.1 * zz.grad, dim=1)
+    assert float((step * dom[:, 0]).sum(1).mean()) < float((zz * dom[:, 0]).sum(1).mean())
+    with pytest.raises(ValueError, match="tau=0"):
+        gaze_align_loss(z, zone_emb, target.expand(3), tau=0)
+    with pytest.raises(ValueError, match="margin=1.5"):
+        domain_repel_loss(z, dom, 1.5)
+
+
+def test_zones_are_deterministic_and_cover_every_zone():
+    yaws = (-2 * ZONE_EDGES[0], 0.0, 2 * ZONE_EDGES[0])
+    pitches = (2 * ZONE_EDGES[1], 0.0, -2 * ZONE_EDGES[1])
+    ang = torch.tensor([[p, y] for p in pitches for y in yaws])
+    zones = gaze_zone(gaze_from_angles(ang))
+    assert zones.tolist() == list(range(9)) and len(ZONES) == 9
+    assert torch.equal(gaze_zone(gaze_from_angles(ang)), zones)
+    with pytest.raises(ValueError, match="scheme='5x5'"):
+        gaze_zone(gaze_from_angles(ang), "5x5")
+
+
+def test_predictor_is_permutation_invariant_and_checks_landmarks():
+    torch.manual_seed(0)
+    pred = FacePriorGazePredictor(32, 21, 16)
+    gamma, K = torch.randn(5, 32), torch.randn(5, 21, 3)
+    out = pred(gamma, K)
+    assert out.shape == (5, 3) and torch.allclose(out.norm(dim=1), torch.ones(5), atol=1e-6)
+    perm = torch.randperm(21)
+    assert torch.allclose(pred(gamma, K[:, perm]), out, atol=1e-6)
+    with pytest.raises(ValueError, match="20 landmarks; allowed: n_landmarks=21"):
+        pred(gamma, K[:, :20])
+
+
+def test_concepts_random_and_minilm():
+    bank = ConceptBank("random", dim=64)
+    assert bank.zone_emb.shape == (9, 64) and torch.allclose(bank.zone_emb @ bank.zone_emb.T, torch.eye(9), atol=1e-5)
+    idx = domain_phrase_indices(sample_params(6, "prior", torch.Generator().manual_seed(0)).flat())
+    assert idx.shape == (6, 4) and int(idx.max()) < bank.domain_emb.shape[0]
+    with pytest.raises(ValueError, match="text_encoder='clip'; allowed: minilm, random"):
+        ConceptBank("clip")
+    mini = ConceptBank("minilm")
+    assert mini.dim == 384 and torch.allclose(mini.zone_emb.norm(dim=1), torch.ones(9), atol=1e-5)
+    sims = mini.zone_emb @ mini.zone_emb.T
+    assert float(sims[0, 2]) < 0.999  # distinct phrases, distinct anchors
+
+
+def test_frozen_prior_and_concepts_stay_bit_identical():
+    torch.manual_seed(0)
+    model = ThreeDPEGaze(ParamEncoder(8), variant="full", concepts=ConceptBank("random", dim=32), stage1_epochs=0, gamma_dim=32)
+    enc_before = {k: v.clone() for k, v in model.encoder.state_dict().items()}
+    bank_before = model.concepts.zone_emb.clone()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    p = sample_params(8, "source", torch.Generator().manual_seed(0))
+    from lowrank_lit.data.heads import head_gaze, render_heads
+
+    batch = {"image": render_heads(p), "gaze": head_gaze(p), "params": p.flat()}
+    model.train()
+    model.log = lambda *a, **k: None  # no trainer attached
+    for _ in range(2):
+        opt.zero_grad()
+        model.training_step(batch, 0).backward()
+        assert all(q.grad is None for q in model.encoder.parameters())
+        opt.step()
+    assert all(torch.equal(v, model.encoder.state_dict()[k]) for k, v in enc_before.items())
+    assert torch.equal(bank_before, model.concepts.zone_emb) and not model.encoder.training
+    with pytest.raises(ValueError, match="variant='vit'"):
+        ThreeDPEGaze(ParamEncoder(8), variant="vit")
+    with pytest.raises(ValueError, match="allowed: \\(B, 3 or 1, H, W\\)"):
+        model.encoder(torch.zeros(2, 2, 64, 64))
+    with pytest.raises(ValueError, match="non-finite"):
+        model.encoder(torch.full((1, 3, 64, 64), float("nan")))
