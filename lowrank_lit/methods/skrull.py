@@ -462,13 +462,9 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
 def micro_batch_loss(model: Any, seqs: Sequence[torch.Tensor], total_targets: int) -> torch.Tensor:
     """Summed next-token cross-entropy of whole sequences packed in one pass, divided by the global batch's
     target count (so that the micro-batches' losses add up to the global batch's mean token loss)."""
-    import torch.nn.functional as F
+    from lowrank_lit.nn.context_parallel import packed_loss
 
-    from lowrank_lit.nn.context_parallel import pack_for_rank
-
-    packed = pack_for_rank(seqs, [0] * len(seqs), 0, 1)
-    logits = model(packed)
-    return F.cross_entropy(logits, model.targets(packed), ignore_index=-100, reduction="sum") / total_targets
+    return packed_loss(model, seqs, [0] * len(seqs), 0, 1, total_targets)
 
 
 @register_method("skrull", kind="Module", paper=PAPER)

@@ -107,6 +107,11 @@ def traversal_entropies(model: nn.Module, batches: Iterable[Any],
     return out
 
 
+def _by_entropy(ents: list[tuple[tuple[int, ...], float]]) -> list[tuple[tuple[int, ...], float]]:
+    """Lowest entropy first; entropies equal to 1e-6 are ordered by the permutation (lexicographic)."""
+    return sorted(ents, key=lambda pe: (round(pe[1], 6), pe[0]))
+
+
 def rank_traversals(model: nn.Module, loader: Iterable[Any], k: int) -> list[tuple[tuple[int, ...], float]]:
     """The ``k`` traversals of lowest mean prediction entropy on ``loader``, as ``(perm, entropy)`` sorted by
     entropy; ties (entropies equal to 1e-6) are broken by the permutation's lexicographic order.
@@ -118,7 +123,7 @@ def rank_traversals(model: nn.Module, loader: Iterable[Any], k: int) -> list[tup
         raise ValueError(f"rank_traversals: k={k!r}; allowed: an integer in 1..24")
     _ss2d_modules(model, "rank_traversals")
     ents = traversal_entropies(model, loader)
-    return sorted(ents, key=lambda pe: (round(pe[1], 6), pe[0]))[:k]
+    return _by_entropy(ents)[:k]
 
 
 def merge_mean(snapshots: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
@@ -254,7 +259,7 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
     def _rank(self, x: torch.Tensor) -> list[tuple[int, ...]]:
         assert self.model is not None
         ents = traversal_entropies(self.model, [x])
-        ranked = sorted(ents, key=lambda pe: (round(pe[1], 6), pe[0]))
+        ranked = _by_entropy(ents)
         for r, (p, e) in enumerate(ranked):
             self.rankings.append({"domain": self.domain, "rank": r, "perm": "".join(map(str, p)), "entropy": e})
         return [p for p, _ in ranked[: self.k]]

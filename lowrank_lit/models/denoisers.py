@@ -73,6 +73,12 @@ class _PMPBase(nn.Module):
         return self.eps(x, t)
 
 
+def _moments(images: torch.Tensor, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean ``(d,)`` and covariance + ``ridge`` I ``(d, d)`` of flattened images, float64."""
+    flat = images.flatten(1).to(torch.float64)
+    return flat.mean(0), torch.cov(flat.T) + ridge * torch.eye(flat.shape[1], dtype=torch.float64)
+
+
 class GaussianPMP(_PMPBase):
     """Exact PMP of Gaussian data ``N(mu, Sigma)`` (see the module docstring).
 
@@ -98,10 +104,7 @@ class GaussianPMP(_PMPBase):
 
     @classmethod
     def fit(cls, images: torch.Tensor, alphas_cumprod: torch.Tensor | None = None, ridge: float = 1e-3) -> GaussianPMP:
-        flat = images.flatten(1).to(torch.float64)
-        mu = flat.mean(0)
-        cov = torch.cov(flat.T) + ridge * torch.eye(flat.shape[1], dtype=torch.float64)
-        return cls(mu, cov, tuple(images.shape[1:]), alphas_cumprod)
+        return cls(*_moments(images, ridge), tuple(images.shape[1:]), alphas_cumprod)
 
     def gain(self, abar: float) -> torch.Tensor:
         """``sqrt(abar) Sigma (abar Sigma + (1 - abar) I)^-1`` = the Jacobian of the PMP, ``(d, d)``."""
@@ -189,7 +192,23 @@ class MixtureLowRankGaussianPMP(_PMPBase):
         return self.responsibilities(x.reshape(x.shape[0], -1).to(torch.float64), _abar(self.alphas_cumprod, 0)).argmax(1)
 
 
-class UNetEps(nn.Module):
+class _EpsNetwork(nn.Module):
+    """A network predicting eps: the PMP follows as ``f_t(x) = (x - sqrt(1 - abar) eps(x, t)) / sqrt(abar)``."""
+
+    alphas_cumprod: torch.Tensor
+
+    def eps(self, x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def pmp(self, x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        a = _abar(self.alphas_cumprod, t)
+        return (x - math.sqrt(1 - a) * self.eps(x, t)) / math.sqrt(a)
+
+    def forward(self, x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
+        return self.eps(x, t)
+
+
+class UNetEps(_EpsNetwork):
     """A ``diffusers`` ``UNet2DModel`` predicting eps (1 channel, 16 px, blocks (32, 64) by default).
 
     Args:
@@ -213,12 +232,6 @@ class UNetEps(nn.Module):
         tt = torch.as_tensor(t, device=x.device).expand(x.shape[0]) if torch.as_tensor(t).ndim == 0 else t
         return self.unet(x, tt).sample
 
-    def pmp(self, x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
-        a = _abar(self.alphas_cumprod, t)
-        return (x - math.sqrt(1 - a) * self.eps(x, t)) / math.sqrt(a)
-
-    def forward(self, x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
-        return self.eps(x, t)
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -285,8 +298,7 @@ class DigitsGaussianPMP(GaussianPMP):
 
     def __init__(self, size: int = 16, ridge: float = 1e-3) -> None:
         x, _ = digits_images(size)
-        fitted = GaussianPMP.fit(x, ridge=ridge)
-        super().__init__(fitted.mean, (fitted.evecs * fitted.evals) @ fitted.evecs.T, fitted.shape)
+        super().__init__(*_moments(x, ridge), tuple(x.shape[1:]))
 
 
 class TrainedUNetEps(UNetEps):
@@ -310,7 +322,7 @@ class TrainedUNetEps(UNetEps):
         self.eval().requires_grad_(False)
 
 
-class StableDiffusionEps(nn.Module):
+class StableDiffusionEps(_EpsNetwork):
     """Stable Diffusion's latent UNet as an eps model with a fixed text condition (empty prompt by default), from a
     local ``diffusers`` folder (nothing is downloaded). Images are the 4 x (res/8) x (res/8) latents.
 
@@ -346,7 +358,3 @@ class StableDiffusionEps(nn.Module):
         cond = self.cond.to(x.device).expand(x.shape[0], -1, -1)
         out = self.unet(x.to(self.cond.dtype), torch.as_tensor(t, device=x.device), encoder_hidden_states=cond).sample
         return out.to(x.dtype)
-
-    def pmp(self, x: torch.Tensor, t: int | torch.Tensor) -> torch.Tensor:
-        a = _abar(self.alphas_cumprod, t)
-        return (x - math.sqrt(1 - a) * self.eps(x, t)) / math.sqrt(a)

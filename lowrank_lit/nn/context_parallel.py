@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["chunk_bounds", "pack_for_rank", "all_gather_cat", "all_reduce_grads", "PackedCausalLM", "cp_loss_backward"]
+__all__ = ["chunk_bounds", "pack_for_rank", "all_gather_cat", "all_reduce_grads", "PackedCausalLM", "packed_loss", "cp_loss_backward"]
 
 
 def chunk_bounds(length: int, cp: int) -> list[tuple[int, int]]:
@@ -184,15 +184,22 @@ class PackedCausalLM(nn.Module):
         return torch.cat([packed["local"]["targets"], packed["dist"]["targets"]])
 
 
-def cp_loss_backward(model: PackedCausalLM, seqs: Sequence[torch.Tensor], placement: Sequence[int], rank: int, cp: int,
-                     total_tokens: int | None = None, group: Any = None) -> float:
-    """One micro-batch on CP rank ``rank``: forward, cross-entropy summed over this rank's targets divided by
-    ``total_tokens`` (the global batch's target count; default: this micro-batch's), backward. Gradients are left
-    on the parameters (sum them over the CP group with :func:`all_reduce_grads` once per global batch). Returns
-    this rank's share of the loss."""
+def packed_loss(model: nn.Module, seqs: Sequence[torch.Tensor], placement: Sequence[int], rank: int, cp: int,
+                total_tokens: int | None = None, group: Any = None) -> torch.Tensor:
+    """Cross-entropy of one micro-batch on CP rank ``rank``, summed over this rank's next-token targets and divided
+    by ``total_tokens`` (the global batch's target count; default: this micro-batch's), so the shares of all ranks
+    and micro-batches add up to the global batch's mean token loss. ``model`` takes the packed dict
+    (:class:`PackedCausalLM`, or any module with its ``forward(packed, group)`` / ``targets(packed)`` interface)."""
     packed = pack_for_rank(seqs, placement, rank, cp)
     logits = model(packed, group)
     total = total_tokens if total_tokens is not None else sum(len(s) - 1 for s in seqs)
-    loss = F.cross_entropy(logits, model.targets(packed), ignore_index=-100, reduction="sum") / total
+    return F.cross_entropy(logits, model.targets(packed), ignore_index=-100, reduction="sum") / total
+
+
+def cp_loss_backward(model: PackedCausalLM, seqs: Sequence[torch.Tensor], placement: Sequence[int], rank: int, cp: int,
+                     total_tokens: int | None = None, group: Any = None) -> float:
+    """:func:`packed_loss` followed by its backward pass. Gradients are left on the parameters (sum them over the CP
+    group with :func:`all_reduce_grads` once per global batch). Returns this rank's share of the loss."""
+    loss = packed_loss(model, seqs, placement, rank, cp, total_tokens, group)
     loss.backward()
     return float(loss.detach())
