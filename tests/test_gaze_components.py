@@ -35,6 +35,7 @@ def test_angular_loss_limits_scaling_and_gradient():
 
 
 def test_align_and_repel_losses():
+    torch.manual_seed(0)
     zone_emb = F.normalize(torch.randn(9, 16), dim=1)
     z = torch.zeros(4, 16)  # equal similarities to every zone
     assert float(gaze_align_loss(z, zone_emb, torch.tensor([0, 3, 5, 8]))) == pytest.approx(math.log(9), abs=1e-6)
@@ -46,8 +47,10 @@ def test_align_and_repel_losses():
     z = F.normalize(torch.randn(3, 16), dim=1)
     low = -torch.ones(3, 2, 16) * 0  # zero similarity
     assert float(domain_repel_loss(z, low, 0.2)) == 0.0
-    zz = dom[:, 0].clone().requires_grad_(True)  # sim 1 with the first phrase: above the margin
-    loss = domain_repel_loss(zz, dom, 0.2)
+    zz = F.normalize(dom[:, 0] + 0.3 * torch.randn(3, 16), dim=1).requires_grad_(True)  # close to the first phrase
+    assert bool(((zz * dom[:, 0]).sum(1) > 0.2).all())  # above the margin
+    assert float(domain_repel_loss(zz.detach(), dom, 0.2)) > 0
+    loss = domain_repel_loss(zz, dom[:, :1], 0.2)  # the gradient of that phrase's term alone
     assert float(loss) > 0
     loss.backward()
     step = F.normalize(zz - 0.1 * zz.grad, dim=1)
