@@ -78,6 +78,16 @@ def _trust(root: Path) -> list[float]:
     return _column(_only(root / "tta", "tta_batches.csv"), "entropy")  # post-adaptation entropy, one per corruption
 
 
+def _gaze(root: Path) -> list[float]:
+    small = ["--data.init_args.train_size=96", "--data.init_args.val_size=32", "--data.init_args.test_size=32",
+             "--data.init_args.batch_size=32"]
+    assert run_cli("fit", "--config", CONFIGS / "gaze_3dpe/param_encoder_prior.yaml", *FIT3, *small, run_root=root / "enc") == 0
+    ckpt = _only(root / "enc", "last.ckpt")
+    assert run_cli("fit", "--config", CONFIGS / "gaze_3dpe/full.yaml", *FIT3, *small, f"--model.init_args.encoder_ckpt={ckpt}",
+                   "--model.init_args.stage1_epochs=0", run_root=root / "gaze") == 0  # all three losses from step 1
+    return _train_losses(root / "gaze")
+
+
 def _shallow(root: Path) -> list[float]:
     assert run_cli("test", "--config", CONFIGS / "shallow_diffuse/molrg_shallow_diffuse.yaml", "--data.init_args.n=3",
                    "--model.init_args.attacks=[clean]", "--model.init_args.rank_ts=[300]", "--trainer.enable_progress_bar=false",
@@ -107,6 +117,7 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
     "icl_rank_retriever": (_fit("icl_rank_retriever/synthetic_hybrid.yaml"), [5.87391996383667, 5.630967140197754, 5.524951457977295]),
     "masked_block_icl": (_fit("masked_block_icl/unconstrained.yaml"), [0.19583538174629211, 0.1905636042356491, 0.16884338855743408]),
     "skrull": (_fit("skrull/sft_skrull.yaml", "--data.init_args.num_sequences=96"), [4.998631000518799, 4.642714500427246, 4.273272514343262]),
+    "gaze_3dpe": (_gaze, [3.3849434852600098, 3.7552366256713867, 3.1812796592712402]),
     "shallow_diffuse": (_shallow, [-17.882242553018262, -17.87409397155512, -17.92883842804052]),
     "trust": (_trust, [2.260313034057617, 2.2700436115264893, 2.2647626399993896]),
     "pinv_bounds": (_pinv, [9.53239879028542, 3.793205535636699, 0.5225886098338843]),

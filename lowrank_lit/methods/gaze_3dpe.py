@@ -32,6 +32,8 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
 from lowrank_lit.data.heads import NUM_LANDMARKS, angles_from_gaze, landmarks
+from lowrank_lit.registry import register_method
+from lowrank_lit.report import register_summary
 
 __all__ = ["angular_loss", "gaze_zone", "ZONES", "gaze_align_loss", "domain_repel_loss", "ConceptBank", "ParamEncoder",
            "ParamEncoderModule", "FacePriorGazePredictor", "ThreeDPEGaze"]
@@ -157,7 +159,7 @@ def _conv_stack(in_chans: int = 3, width: int = 32) -> nn.Sequential:
 
 
 class ParamEncoder(nn.Module):
-    """The DECA substitute: image ``(B, 3, 64, 64)`` -> feature map ``(B, 2w, 8, 8)`` and the 15 parameters
+    """The DECA substitute: image ``(B, 3, H, W)`` (64 px here) -> feature map ``(B, 2w, 8, 8)`` and the 15 parameters
     (beta, theta, psi, light; standardised with the prior domain's statistics).
 
     Args:
@@ -167,6 +169,7 @@ class ParamEncoder(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         self.features = _conv_stack(3, width)
+        self.pool = nn.AdaptiveAvgPool2d(8)  # identity at 64 px; larger faces (224 px) pooled to the same 8 x 8 map
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * 64, 256), nn.GELU(), nn.Linear(256, 15))
         self.register_buffer("param_mean", torch.zeros(15))
         self.register_buffer("param_std", torch.ones(15))
@@ -179,7 +182,7 @@ class ParamEncoder(nn.Module):
             raise ValueError("ParamEncoder: images contain non-finite values")
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
-        fmap = self.features(x)
+        fmap = self.pool(self.features(x))  # (B, 2w, 8, 8)
         return fmap, self.head(fmap)
 
     def params(self, x: torch.Tensor) -> torch.Tensor:
@@ -236,24 +239,35 @@ class ParamEncoderModule(pl.LightningModule):
 class FacePriorGazePredictor(nn.Module):
     """Cross-attention from the gaze code to the landmarks: ``(B, gamma_dim)``, ``(B, N, 3)`` -> unit gaze ``(B, 3)``.
 
+    ``F = softmax((gamma W_q)(K W_k)^T / sqrt(d_h)) (K W_v)`` per head, heads concatenated, ``g = normalize(MLP(F))``.
+    With one head F is an affine image of a single convex combination of landmark points, so every gaze must be
+    coded as one point in the landmarks' hull; ``heads > 1`` (standard multi-head attention, our choice: the
+    paper's equation did not survive) lets each head pick its own point.
+
     Args:
         gamma_dim: size of gamma. Default: 256.
         n_landmarks: N. Default: 21.
-        d: attention width. Default: 64.
+        d: attention width (split over the heads). Default: 64.
+        heads: attention heads. Default: 8.
     """
 
-    def __init__(self, gamma_dim: int = 256, n_landmarks: int = NUM_LANDMARKS, d: int = 64) -> None:
+    def __init__(self, gamma_dim: int = 256, n_landmarks: int = NUM_LANDMARKS, d: int = 64, heads: int = 8) -> None:
         super().__init__()
-        self.n_landmarks, self.d = n_landmarks, d
+        if heads < 1 or d % heads:
+            raise ValueError(f"FacePriorGazePredictor: heads={heads!r} must be >= 1 and divide d={d}")
+        self.n_landmarks, self.d, self.heads = n_landmarks, d, heads
         self.q, self.k, self.v = nn.Linear(gamma_dim, d), nn.Linear(3, d), nn.Linear(3, d)
         self.out = nn.Sequential(nn.Linear(d, 128), nn.GELU(), nn.Linear(128, 3))
 
     def forward(self, gamma: torch.Tensor, K: torch.Tensor) -> torch.Tensor:
-        if K.shape[1] != self.n_landmarks:
-            raise ValueError(f"FacePriorGazePredictor: {K.shape[1]} landmarks; allowed: n_landmarks={self.n_landmarks}")
-        q = self.q(gamma)[:, None]  # (B, 1, d)
-        att = torch.softmax(q @ self.k(K).transpose(1, 2) / math.sqrt(self.d), dim=-1)  # (B, 1, N)
-        f = (att @ self.v(K))[:, 0]  # (B, d)
+        if K.ndim != 3 or K.shape[1] != self.n_landmarks or K.shape[2] != 3:
+            raise ValueError(f"FacePriorGazePredictor: landmarks of shape {tuple(K.shape)}; allowed: (B, n_landmarks={self.n_landmarks}, 3)")
+        b, h, dh = gamma.shape[0], self.heads, self.d // self.heads
+        q = self.q(gamma).view(b, h, 1, dh)  # (B, h, 1, dh)
+        k = self.k(K).view(b, -1, h, dh).transpose(1, 2)  # (B, h, N, dh)
+        v = self.v(K).view(b, -1, h, dh).transpose(1, 2)  # (B, h, N, dh)
+        att = torch.softmax(q @ k.transpose(2, 3) / math.sqrt(dh), dim=-1)  # (B, h, 1, N)
+        f = (att @ v).reshape(b, self.d)  # (B, d)
         return F.normalize(self.out(f), dim=1)
 
 
@@ -265,6 +279,7 @@ def _load_encoder(encoder: ParamEncoder, ckpt: str) -> None:
     encoder.load_state_dict({k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")})
 
 
+@register_method("gaze_3dpe", kind="Module", paper=PAPER)
 class ThreeDPEGaze(pl.LightningModule):
     """Gaze estimation with the frozen face prior, landmark cross-attention and text concepts (module docstring).
 
@@ -272,7 +287,8 @@ class ThreeDPEGaze(pl.LightningModule):
     slices ``.../glasses_on|off``, ``.../dim|bright`` (light intensity below / above 0.6), ``.../yaw_small|large``
     (|head yaw| below / above 0.25), plus ``.../iod_err_low|high`` (error where the encoder's IOD estimate is
     closer / farther than the median from the true IOD: the IOD-stability diagnostic); ``test/angle_deg`` = the mean
-    over the target domains.
+    over the target domains. ``gaze_grid.png`` in the run directory (and W&B): the first test faces of each domain
+    with the true (green) and predicted (red) gaze arrows.
 
     Args:
         encoder: the parameter encoder (same architecture as the pretrained one).
@@ -283,13 +299,14 @@ class ThreeDPEGaze(pl.LightningModule):
         tau: InfoNCE temperature. Default: 0.07.
         margin: repulsion margin m. Default: 0.2.
         stage1_epochs: epochs of stage 1 (L_angle only) before SCAM joins. Default: 1.
+        heads: attention heads of the predictor. Default: 8.
         test_domains: names of the test dataloaders (for the metric names). Default: [target_light, target_glasses].
         optimizer: optimizer factory. Default: Adam lr 1e-3.
     """
 
     def __init__(self, encoder: ParamEncoder, encoder_ckpt: str | None = None, variant: str = "full",
                  concepts: ConceptBank | None = None, gamma_dim: int = 256, tau: float = 0.07, margin: float = 0.2,
-                 stage1_epochs: int = 1, test_domains: list[str] | None = None,
+                 stage1_epochs: int = 1, heads: int = 8, test_domains: list[str] | None = None,
                  optimizer: OptimizerCallable = _default_optimizer) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -315,7 +332,7 @@ class ThreeDPEGaze(pl.LightningModule):
         else:
             encoder.requires_grad_(False).eval()
             self.gamma_mlp = nn.Sequential(nn.Flatten(), nn.Linear(c * 64, 512), nn.GELU(), nn.Linear(512, gamma_dim))
-            self.predictor = FacePriorGazePredictor(gamma_dim)
+            self.predictor = FacePriorGazePredictor(gamma_dim, heads=heads)
             self.use_align = variant in ("3dgp_align", "full")
             self.use_repel = variant in ("3dgp_repel", "full")
             if self.use_align or self.use_repel:
@@ -323,6 +340,7 @@ class ThreeDPEGaze(pl.LightningModule):
                 self.concepts.requires_grad_(False)
                 self.proj = nn.Linear(gamma_dim, self.concepts.dim)
         self._slices: dict[int, list[dict[str, torch.Tensor]]] = {}
+        self._grid: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def frozen_prior(self) -> bool:
@@ -368,16 +386,22 @@ class ThreeDPEGaze(pl.LightningModule):
         self.log("val/angle_deg", math.degrees(float(angular_loss(self(batch["image"])["gaze"], batch["gaze"]))), prog_bar=True)
 
     def on_test_epoch_start(self) -> None:
-        self._slices = {}
+        self._slices, self._grid = {}, {}
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         out = self(batch["image"])
         cos = F.cosine_similarity(out["gaze"], batch["gaze"], dim=1).clamp(-1, 1)
-        rec = {"err": torch.rad2deg(torch.arccos(cos)).detach(), "glasses": batch["glasses"], "intensity": batch["params"][:, 13],
-               "yaw": batch["params"][:, 5].abs(), "iod": batch["params"][:, 3]}
-        if "params" in out:
-            rec["iod_pred"] = out["params"][:, 3]
+        rec = {"err": torch.rad2deg(torch.arccos(cos)).detach()}
+        if "glasses" in batch:
+            rec["glasses"] = batch["glasses"]
+        if "params" in batch:  # the synthetic heads' ground truth (real data has none)
+            p = batch["params"]
+            rec.update(intensity=p[:, 13], yaw=p[:, 5].abs(), iod=p[:, 3])
+            if "params" in out:
+                rec["iod_pred"] = out["params"][:, 3]
         self._slices.setdefault(dataloader_idx, []).append(rec)
+        if batch_idx == 0:
+            self._grid[dataloader_idx] = (batch["image"][:8].cpu(), batch["gaze"][:8].cpu(), out["gaze"][:8].detach().cpu())
 
     def on_test_epoch_end(self) -> None:
         means = []
@@ -387,9 +411,13 @@ class ThreeDPEGaze(pl.LightningModule):
             err = r["err"]
             self.log(f"test/{name}/angle_deg", err.mean(), add_dataloader_idx=False)
             means.append(float(err.mean()))
-            for label, mask in (("glasses_on", r["glasses"] > 0.5), ("glasses_off", r["glasses"] <= 0.5),
-                                ("dim", r["intensity"] < 0.6), ("bright", r["intensity"] >= 0.6),
-                                ("yaw_small", r["yaw"] < 0.25), ("yaw_large", r["yaw"] >= 0.25)):
+            masks = []
+            if "glasses" in r:
+                masks += [("glasses_on", r["glasses"] > 0.5), ("glasses_off", (r["glasses"] >= 0) & (r["glasses"] <= 0.5))]
+            if "intensity" in r:
+                masks += [("dim", r["intensity"] < 0.6), ("bright", r["intensity"] >= 0.6),
+                          ("yaw_small", r["yaw"] < 0.25), ("yaw_large", r["yaw"] >= 0.25)]
+            for label, mask in masks:
                 if bool(mask.any()):
                     self.log(f"test/{name}/{label}", err[mask].mean(), add_dataloader_idx=False)
             if "iod_pred" in r:
@@ -399,6 +427,115 @@ class ThreeDPEGaze(pl.LightningModule):
                 self.log(f"test/{name}/iod_err_high", err[~low].mean(), add_dataloader_idx=False)
         if means:
             self.log("test/angle_deg", sum(means) / len(means), add_dataloader_idx=False)
+        run_dir = getattr(self.trainer, "default_root_dir", None) if self._trainer is not None else None
+        if self._grid and run_dir and not self.trainer.sanity_checking and self.trainer.is_global_zero:
+            from lowrank_lit.report import log_image
+
+            names = [self.test_domains[k] if k < len(self.test_domains) else f"domain{k}" for k in sorted(self._grid)]
+            path = plot_gaze_grid([self._grid[k] for k in sorted(self._grid)], names, os.path.join(run_dir, "gaze_grid.png"))
+            log_image(self.trainer, "test/gaze_grid", path)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory([p for p in self.parameters() if p.requires_grad])
+
+
+def plot_gaze_grid(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names: list[str], path: str) -> str:
+    """One row of faces per domain ``(images (n, 3, S, S), true gaze (n, 3), predicted gaze (n, 3))`` with the
+    true (green) and predicted (red) gaze drawn as arrows from the face centre (image-plane x, y of the gaze)."""
+    from lowrank_lit.report import new_figure, save_figure
+
+    n = max(r[0].shape[0] for r in rows)
+    fig, axes = new_figure(len(rows), n, figsize=(1.3 * n, 1.45 * len(rows)), squeeze=False)
+    for i, ((img, g, p), name) in enumerate(zip(rows, names)):
+        for j in range(n):
+            ax = axes[i][j]
+            ax.axis("off")
+            if j >= img.shape[0]:
+                continue
+            s = img.shape[-1]
+            ax.imshow(img[j].permute(1, 2, 0).clamp(0, 1).numpy())
+            for vec, colour in ((g[j], "lime"), (p[j], "red")):  # camera x right, y up; image rows go down
+                ax.arrow(s / 2, s / 2, float(vec[0]) * s * 0.6, -float(vec[1]) * s * 0.6, color=colour, width=0.6,
+                         head_width=2.5, length_includes_head=True)
+            err = math.degrees(math.acos(max(-1.0, min(1.0, float(F.cosine_similarity(g[j:j + 1], p[j:j + 1]))))))
+            ax.set_title(f"{err:.0f}°", fontsize=7)
+        axes[i][0].text(-4, img.shape[-1] / 2, name, rotation=90, va="center", ha="right", fontsize=7)
+    return save_figure(fig, path)
+
+
+def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
+    """Variant, seed, validation (source) error and the per-target errors and slices of each run."""
+    from pathlib import Path
+
+    from lowrank_lit.report import last_values, read_config
+
+    out = []
+    for d in run_dirs:
+        cfg = read_config(d)
+        init = cfg["model"]["init_args"]
+        concepts = (init.get("concepts") or {}).get("init_args") or {}
+        variant = init.get("variant", "full") + ("" if concepts.get("text_encoder", "minilm") == "minilm" or init.get("variant") in ("cnn", "finetune", "3dgp") else " (random anchors)")
+        vals = last_values(Path(d) / "metrics.csv")
+        if "test/angle_deg" in vals:
+            out.append({"variant": variant, "seed": cfg.get("seed_everything"), "vals": vals})
+    order = {v: i for i, v in enumerate(("cnn", "finetune", "3dgp", "3dgp_repel", "3dgp_align", "full"))}
+    return sorted(out, key=lambda r: (order.get(r["variant"], len(order)), r["variant"], str(r["seed"])))
+
+
+def _ms(xs: list[float]) -> str:
+    import statistics as st
+
+    return f"{st.fmean(xs):.2f} ± {st.stdev(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
+
+
+@register_summary("gaze_3dpe", help="angular error on the source and target domains per 3DPE-Gaze variant, slices")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Markdown: per variant (mean ± std over seeds) the source validation error, each target domain's error and
+    their mean; the cross-domain gap (target - source) and the |yaw| / IOD slices; the per-seed target means."""
+    from lowrank_lit.report import find_runs, markdown_table
+
+    rows = summarize(find_runs(roots, "metrics.csv", required=True))
+    if not rows:
+        raise FileNotFoundError(f"no finished ThreeDPEGaze run (with test/angle_deg) under {', '.join(roots)}")
+    targets = sorted({k.split("/")[1] for r in rows for k in r["vals"] if k.startswith("test/") and k.endswith("/angle_deg")
+                      and k.count("/") == 2})
+    by: dict[str, list[dict[str, float]]] = {}
+    for r in rows:
+        by.setdefault(r["variant"], []).append(r["vals"])
+
+    def col(runs: list[dict[str, float]], key: str) -> list[float]:
+        return [v[key] for v in runs if key in v]
+
+    main = [[v, len(runs), _ms(col(runs, "val/angle_deg")), *(_ms(col(runs, f"test/{t}/angle_deg")) for t in targets),
+             _ms(col(runs, "test/angle_deg"))] for v, runs in by.items()]
+    text = markdown_table(["variant", "seeds", "source (val)", *targets, "target mean"], main)
+    gap = []
+    for v, runs in by.items():
+        cells = []
+        for t in targets:
+            cells.append(_ms([x[f"test/{t}/angle_deg"] - x["val/angle_deg"] for x in runs]))
+            for sl in ("yaw_small", "yaw_large", "iod_err_low", "iod_err_high"):
+                xs = col(runs, f"test/{t}/{sl}")
+                cells.append(_ms(xs) if xs else "-")
+        gap.append([v, *cells])
+    head = [h for t in targets for h in (f"{t} gap", f"{t} yaw<0.25", f"{t} yaw>=0.25", f"{t} IOD good", f"{t} IOD poor")]
+    text += "\n\n" + markdown_table(["variant", *head], gap)
+    seeds = sorted({r["seed"] for r in rows}, key=str)
+    per = [[v, *(next((f"{r['vals']['test/angle_deg']:.2f}" for r in rows if r["variant"] == v and r["seed"] == s), "-")
+                 for s in seeds)] for v in by]
+    text += "\n\n" + markdown_table(["variant", *(f"seed {s} target mean" for s in seeds)], per)
+    if out:
+        from lowrank_lit.report import new_figure, save_figure
+
+        fig, ax = new_figure(figsize=(7, 3.2))
+        names = list(by)
+        for k, t in enumerate(targets):
+            ys = [col(by[v], f"test/{t}/angle_deg") for v in names]
+            ax.bar([i + 0.4 * k for i in range(len(names))], [sum(y) / len(y) for y in ys], width=0.4, label=t)
+            for i, y in enumerate(ys):
+                ax.plot([i + 0.4 * k] * len(y), y, "k.", ms=3)
+        ax.set_xticks([i + 0.2 for i in range(len(names))], names, fontsize=8)
+        ax.set_ylabel("angular error (deg)")
+        ax.legend(fontsize=8)
+        save_figure(fig, out)
+    return text
