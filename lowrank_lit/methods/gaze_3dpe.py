@@ -446,7 +446,7 @@ def plot_gaze_grid(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], 
 
     n = max(r[0].shape[0] for r in rows)
     fig, axes = new_figure(len(rows), n, figsize=(1.3 * n, 1.45 * len(rows)), squeeze=False)
-    for i, ((img, g, p), name) in enumerate(zip(rows, names)):
+    for i, ((img, g, p), name) in enumerate(zip(rows, names, strict=True)):
         for j in range(n):
             ax = axes[i][j]
             ax.axis("off")
