@@ -1,0 +1,253 @@
+"""Safe meta-RL (paper 04): the dual solve and the closed-form safe step (bandit numbers, slackness, limits,
+convexity), exact tabular evaluation, the Hessian-free meta-gradient against finite differences, anytime
+safety on SafeGridNav, bad inputs, configs end to end, and the reproduction (slow)."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+
+from lowrank_lit.envs import SafeGridNav, evaluate, state_occupancy
+from lowrank_lit.methods.safe_meta_rl import (
+    InfeasibleAnchorError,
+    adapt_tabular,
+    constraint_value,
+    dual_objective,
+    hessian_free_meta_grad,
+    safe_adapt,
+    sample_weights,
+    second_order_meta_grad,
+    solve_dual,
+    tabular_policy_gradient,
+    tilt,
+)
+
+D = torch.float64
+
+
+def _bandit() -> tuple[torch.Tensor, ...]:
+    pi0 = torch.full((1, 3), 1 / 3, dtype=D)
+    r, c = torch.tensor([[1, 0.5, 0]], dtype=D), torch.tensor([[1, 0, 0.2]], dtype=D)
+    return pi0, r - (pi0 * r).sum(), c - (pi0 * c).sum(), c, torch.ones(1, dtype=D)
+
+
+def _safe_anchor(env: SafeGridNav) -> torch.Tensor:
+    """A feasible anchor: 90 % right along row 0 then down the last column (avoids the band), 10 % uniform."""
+    pi_safe = torch.zeros(env.S, env.A, dtype=D)
+    for s in range(env.S):
+        i, j = divmod(s, env.size)
+        pi_safe[s, 1 if i == 0 and j < env.size - 1 else 2] = 1
+    return 0.9 * pi_safe + 0.1 / env.A
+
+
+def test_bandit_numbers():
+    """One state, gamma = 0: pi0 uniform, r = (1, .5, 0), c = (1, 0, .2), d = 0.45, eta = kappa = 0.1."""
+    pi0, ar, ac, c, occ = _bandit()
+    b = 0.45 - 0.4
+    pi1, nu = safe_adapt(pi0, ar, ac, occ, b, 0.1, 0.1)
+    assert nu == pytest.approx(0.5527, abs=1e-4)
+    torch.testing.assert_close(pi1, torch.tensor([[0.4112, 0.5775, 0.0113]], dtype=D), atol=1e-4, rtol=0)
+    assert float((pi1 * c).sum()) == pytest.approx(0.4135, abs=1e-4) and float((pi1 * c).sum()) <= 0.45
+    # the surrogate constraint is active at nu* > 0 (complementary slackness)
+    assert float(constraint_value(pi1.log(), pi0.log(), ac, occ, 0.1)) == pytest.approx(b, abs=1e-8)
+    # nu = 0 (the unconstrained tilt) violates
+    log_pi, _, _ = tilt(pi0.log(), ar, ac, 0.0, 0.1, 0.1)
+    assert float((log_pi.exp() * c).sum()) == pytest.approx(0.993, abs=1e-3)
+
+
+def test_dual_slackness_limits_and_convexity():
+    pi0, ar, ac, c, occ = _bandit()
+    # a loose budget: the unconstrained tilt is feasible -> nu* = 0
+    assert solve_dual(pi0.log(), ar, ac, occ, 10.0, 0.1, 0.1) == 0.0
+    # g convex on a grid, and nu* at its grid minimum
+    grid = [i * 0.01 for i in range(301)]
+    g = [dual_objective(v, pi0.log(), ar, ac, occ, 0.05, 0.1, 0.1) for v in grid]
+    assert all(g[i - 1] + g[i + 1] - 2 * g[i] >= -1e-12 for i in range(1, len(g) - 1))
+    nu = solve_dual(pi0.log(), ar, ac, occ, 0.05, 0.1, 0.1)
+    assert abs(nu - grid[min(range(len(g)), key=g.__getitem__)]) <= 0.01
+    assert dual_objective(nu, pi0.log(), ar, ac, occ, 0.05, 0.1, 0.1) <= min(g) + 1e-9
+    # eta -> inf: pi_nu -> pi0; zero advantages: pi_nu == pi0
+    pi_big, _ = safe_adapt(pi0, ar, ac, occ, 10.0, 1e9, 0.1)
+    torch.testing.assert_close(pi_big, pi0, atol=1e-8, rtol=0)
+    pi_z, _ = safe_adapt(pi0, torch.zeros_like(ar), torch.zeros_like(ac), occ, 0.0, 0.1, 0.1)
+    torch.testing.assert_close(pi_z, pi0)
+    # rows are distributions, also with |z| ~ 1e3 (log-sum-exp, no overflow)
+    torch.manual_seed(0)
+    pi = torch.softmax(torch.randn(5, 4, dtype=D), 1)
+    big_r, big_c = 100 * torch.randn(5, 4, dtype=D), 100 * torch.randn(5, 4, dtype=D)
+    p1, nu = safe_adapt(pi, big_r, big_c, torch.full((5,), 0.2, dtype=D), 0.0, 0.1, 0.0)
+    assert bool(torch.isfinite(p1).all()) and torch.allclose(p1.sum(1), torch.ones(5, dtype=D))
+    assert float(constraint_value(p1.clamp_min(1e-300).log(), pi.log(), big_c, torch.full((5,), 0.2, dtype=D), 0.0)) <= 1e-6
+
+
+def test_sample_weights_are_the_one_state_dual():
+    torch.manual_seed(1)
+    ar = torch.randn(64, dtype=D)
+    ac = ar + 0.3 * torch.randn(64, dtype=D)  # reward and cost advantages correlated: the constraint binds
+    ar, ac = ar - ar.mean(), ac - ac.mean()
+    w, nu = sample_weights(ar, ac, 0.05, 0.5, 0.1)
+    assert w.sum().item() == pytest.approx(1.0) and nu > 0
+    kl = float((w * (w * 64).log()).sum())
+    assert float((w * ac).sum()) + 0.1 * kl == pytest.approx(0.05, abs=1e-7)
+    w0, nu0 = sample_weights(ar, ac, 0.05, 0.5, 0.1, constrained=False)
+    assert nu0 == 0 and float((w0 * ac).sum()) + 0.1 * float((w0 * (w0 * 64).log()).sum()) > 0.05
+
+
+def test_exact_evaluation_bellman_and_occupancy():
+    env = SafeGridNav()
+    torch.manual_seed(0)
+    pi = torch.softmax(torch.randn(env.S, env.A, dtype=D), 1)
+    r = env.reward(2)
+    ev = evaluate(env.P, pi, r, env.mu0, env.gamma)
+    bellman = (pi * (r + env.gamma * torch.einsum("sat,t->sa", env.P, ev.V))).sum(1) - ev.V
+    assert float(bellman.abs().max()) < 1e-12
+    occ = state_occupancy(env.P, pi, env.mu0, env.gamma)
+    assert float(occ.sum()) == pytest.approx(1.0, abs=1e-12) and bool((occ >= 0).all())
+    # performance difference: J(pi') - J(pi) = E_{d_pi'} E_pi' [A_pi] / (1 - gamma)
+    pi2 = torch.softmax(torch.randn(env.S, env.A, dtype=D), 1)
+    lhs = evaluate(env.P, pi2, r, env.mu0, env.gamma).J - ev.J
+    rhs = state_occupancy(env.P, pi2, env.mu0, env.gamma) @ (pi2 * ev.A).sum(1) / (1 - env.gamma)
+    assert float(lhs) == pytest.approx(float(rhs), abs=1e-10)
+    assert torch.allclose(env.P.sum(2), torch.ones(env.S, env.A, dtype=D))
+
+
+def test_hessian_free_gradient_matches_finite_differences():
+    """grad_phi J_r(softmax(phi + z)) with z fixed, against central differences and autograd."""
+    env = SafeGridNav()
+    torch.manual_seed(0)
+    phi = _safe_anchor(env).log() + 0.1 * torch.randn(env.S, env.A, dtype=D)
+    _, z, nu = adapt_tabular(env, torch.softmax(phi, 1), 4, 0.1, 0.1, "safe")
+    grad, stats = hessian_free_meta_grad(env, phi, [4], 0.1, 0.1, "safe")
+    assert stats["infeasible"] == 0 and stats["nu"] == pytest.approx(nu)
+
+    def J(p: torch.Tensor) -> torch.Tensor:
+        return evaluate(env.P, torch.softmax(p + z, 1), env.reward(4), env.mu0, env.gamma).J
+
+    fd = torch.zeros_like(phi)
+    for s in (0, 1, 6, 20, 35):
+        for a in range(4):
+            e = torch.zeros_like(phi)
+            e[s, a] = 1e-6
+            fd[s, a] = (J(phi + e) - J(phi - e)) / 2e-6
+            assert float(grad[s, a]) == pytest.approx(float(fd[s, a]), abs=1e-7)
+    p = phi.clone().requires_grad_(True)
+    (auto,) = torch.autograd.grad(J(p), p)
+    torch.testing.assert_close(grad, auto, atol=1e-10, rtol=1e-8)
+    # the second-order baseline is the autograd derivative through the inner step
+    g2, _ = second_order_meta_grad(env, phi, [4], 1.0, 1.0)
+    from lowrank_lit.methods.safe_meta_rl import pg_lagrange_step
+
+    e = torch.zeros_like(phi)
+    e[0, 1] = 1e-6
+
+    def J2(p: torch.Tensor) -> float:
+        p1 = pg_lagrange_step(env, p.clone(), 4, 1.0, 1.0)
+        return float(evaluate(env.P, torch.softmax(p1.detach(), 1), env.reward(4), env.mu0, env.gamma).J)
+
+    assert float(g2[0, 1]) == pytest.approx((J2(phi + e) - J2(phi - e)) / 2e-6, abs=1e-6)
+
+
+def test_tabular_policy_gradient_is_the_softmax_gradient():
+    env = SafeGridNav()
+    torch.manual_seed(2)
+    phi = torch.randn(env.S, env.A, dtype=D, requires_grad=True)
+    J = evaluate(env.P, torch.softmax(phi, 1), env.c, env.mu0, env.gamma).J
+    (auto,) = torch.autograd.grad(J, phi)
+    torch.testing.assert_close(tabular_policy_gradient(env, torch.softmax(phi.detach(), 1), env.c), auto)
+
+
+def test_anytime_safety_on_gridnav():
+    """From a feasible anchor, J_c <= d after each of 5 successive steps on every goal, for several (eta, kappa > 0).
+    (With kappa = 0 the surrogate is not conservative and J_c can end a hair above d, e.g. 0.80002.)"""
+    env = SafeGridNav()
+    pi0 = _safe_anchor(env)
+    assert float(env.evaluate(torch.full((env.S, env.A), 0.25, dtype=D), 0)[1].J) > env.limit  # uniform is unsafe
+    for eta, kappa in ((0.1, 0.1), (0.05, 0.1), (0.5, 0.5), (0.1, 1.0)):
+        for task in range(env.num_tasks):
+            pi = pi0
+            assert float(env.evaluate(pi, task)[1].J) <= env.limit
+            for _ in range(5):
+                pi, _, _ = adapt_tabular(env, pi, task, eta, kappa, "safe")
+                assert float(env.evaluate(pi, task)[1].J) <= env.limit + 1e-9, (eta, kappa, task)
+
+
+def test_bad_inputs_raise_named_errors():
+    pi0, ar, ac, _, occ = _bandit()
+    with pytest.raises(InfeasibleAnchorError, match="b=-0.1"):
+        safe_adapt(pi0, ar, ac, occ, -0.1, 0.1, 0.1)
+    with pytest.raises(ValueError, match="eta=0"):
+        safe_adapt(pi0, ar, ac, occ, 0.1, 0, 0.1)
+    with pytest.raises(ValueError, match="kappa=-1"):
+        safe_adapt(pi0, ar, ac, occ, 0.1, 0.1, -1)
+    with pytest.raises(ValueError, match="sum to 1"):
+        safe_adapt(torch.tensor([[0.5, 0.6, 0.1]], dtype=D), ar, ac, occ, 0.1, 0.1, 0.1)
+    with pytest.raises(ValueError, match="advantages of shapes"):
+        safe_adapt(pi0, ar[:, :2], ac, occ, 0.1, 0.1, 0.1)
+    with pytest.raises(ValueError, match="occupancy of shape"):
+        safe_adapt(pi0, ar, ac, torch.ones(2, dtype=D), 0.1, 0.1, 0.1)
+    with pytest.raises(ValueError, match="adv_r contains NaN"):
+        safe_adapt(pi0, torch.full_like(ar, math.nan), ac, occ, 0.1, 0.1, 0.1)
+    with pytest.raises(ValueError, match="gamma=1"):
+        SafeGridNav(gamma=1.0)
+    env = SafeGridNav()
+    with pytest.raises(ValueError, match="gamma=1.0"):
+        evaluate(env.P, torch.full((env.S, env.A), 0.25, dtype=D), env.c, env.mu0, 1.0)
+    from lowrank_lit.methods.safe_meta_rl import SafeMetaRLModule, TaskDataModule
+
+    with pytest.raises(ValueError, match="adapt='maml'.*allowed: safe, unconstrained, pg_lagrange"):
+        SafeMetaRLModule(env, adapt="maml")
+    with pytest.raises(ValueError, match="in both train_tasks and test_tasks"):
+        TaskDataModule([0, 1, 2], [2, 3])
+
+
+@pytest.mark.parametrize("name", ["gridnav_safe", "gridnav_unconstrained", "gridnav_pg_lagrange", "gridnav_second_order"])
+def test_config_runs_and_monitor_writes(name, tmp_path):
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    assert run_cli("fit", "--config", CONFIGS / "safe_meta_rl" / f"{name}.yaml", "--trainer.max_epochs=1",
+                   "--data.init_args.steps_per_epoch=5", "--trainer.log_every_n_steps=1", "--run_id=smoke", "--trainer.enable_progress_bar=false",
+                   run_root=tmp_path) == 0
+    run = tmp_path / "safe_meta_rl" / name / "smoke"
+    vals = last_values(run / "metrics.csv")
+    assert {"test/violations", "test/J_r_final", "test/step5/J_c", "train/step_s", "train/lambda"} <= set(vals)
+    with open(run / "adaptation_test.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 * 6 and (run / "adaptation_test.png").is_file()
+
+
+# -- must show (card section 4) -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_must_show_gridnav(tmp_path):
+    """Our acceptance criterion on SafeGridNav (configs' budget), seeds 0-2: on each of the 3 held-out goals,
+    J_r rises at every one of the 5 safe steps and J_c <= d after every step; the nu = 0 step violates on at least
+    one task; the first-order meta-step is faster than the second-order one (ratio printed, not asserted)."""
+    import statistics
+
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    times = {}
+    for seed in range(3):
+        for name in ("gridnav_safe", "gridnav_unconstrained", "gridnav_second_order"):
+            assert run_cli("fit", "--config", CONFIGS / "safe_meta_rl" / f"{name}.yaml", f"--seed_everything={seed}",
+                           f"--run_id=seed{seed}", "--trainer.enable_progress_bar=false", run_root=tmp_path) == 0
+            run = tmp_path / "safe_meta_rl" / name / f"seed{seed}"
+            with open(run / "adaptation_test.csv") as f:
+                rows = list(csv.DictReader(f))
+            with open(run / "metrics.csv") as f:
+                times.setdefault(name, []).extend(float(r["train/step_s"]) for r in csv.DictReader(f) if r.get("train/step_s"))
+            if name == "gridnav_safe":
+                for task in {r["task"] for r in rows}:
+                    tr = sorted((r for r in rows if r["task"] == task), key=lambda r: int(r["step"]))
+                    assert len(tr) == 6
+                    assert all(float(b["J_r"]) > float(a["J_r"]) for a, b in zip(tr, tr[1:], strict=False)), (seed, task)
+                    assert all(float(r["J_c"]) <= 0.8 for r in tr), (seed, task)
+            if name == "gridnav_unconstrained":
+                assert last_values(run / "metrics.csv")["test/violations"] >= 1
+    ratio = statistics.median(times["gridnav_safe"]) / statistics.median(times["gridnav_second_order"])
+    print(f"meta-step time, first-order safe / second-order MAML: {ratio:.2f}")
