@@ -48,9 +48,9 @@ def main() -> None:
             pi[s, 1 if i == 0 and j < n - 1 else 2] = 1
         phi = (0.9 * pi + 0.1 / env.A).log()
         tasks = list(range(min(args.tasks, env.num_tasks)))
-        hf = median_time(lambda: hessian_free_meta_grad(env, phi, tasks, 0.1, 0.1, "safe"), args.repeats)
-        hp = median_time(lambda: hessian_free_meta_grad(env, phi, tasks, 0.1, 0.1, "pg_lagrange"), args.repeats)
-        so = median_time(lambda: second_order_meta_grad(env, phi, tasks, 1.0, 1.0), args.repeats)
+        hf = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "safe"), args.repeats)
+        hp = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "pg_lagrange"), args.repeats)
+        so = median_time(lambda e=env, p=phi, t=tasks: second_order_meta_grad(e, p, t, 1.0, 1.0), args.repeats)
         print(f"| {n} x {n} | {env.S} | {1e3 * hf:.1f} | {1e3 * hp:.1f} | {1e3 * so:.1f} | {hf / so:.2f} | {hp / so:.2f} |")
 
 

@@ -36,11 +36,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
 
 __all__ = ["InfeasibleAnchorError", "tilt", "constraint_value", "dual_objective", "solve_dual", "safe_adapt",
            "sample_weights", "tabular_policy_gradient", "hessian_free_meta_grad", "second_order_meta_grad",
