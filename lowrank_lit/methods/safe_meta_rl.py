@@ -38,11 +38,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lowrank_lit.envs.continuous import ContinuousFamily
+from lowrank_lit.envs.gridnav import SafeGridNav
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import register_summary
 
 __all__ = ["InfeasibleAnchorError", "tilt", "constraint_value", "dual_objective", "solve_dual", "safe_adapt",
            "sample_weights", "tabular_policy_gradient", "hessian_free_meta_grad", "second_order_meta_grad",
-           "pg_lagrange_step", "SafeMetaRLModule", "SafetyMonitor", "TaskDataModule", "weighted_ml_projection"]
+           "pg_lagrange_step", "SafeMetaRLModule", "NeuralSafeMetaRLModule", "GaussianPolicy", "gae", "SafetyMonitor", "TaskDataModule", "weighted_ml_projection"]
 
 PAPER = "Efficient Safe Meta-Reinforcement Learning: Provable Near-Optimality and Anytime Safety"
 ADAPT = ("safe", "unconstrained", "pg_lagrange")
@@ -143,12 +146,15 @@ def safe_adapt(policy: torch.Tensor, adv_r: torch.Tensor, adv_c: torch.Tensor, o
 
 
 def sample_weights(adv_r: torch.Tensor, adv_c: torch.Tensor, budget: float, eta: float, kappa: float,
-                   constrained: bool = True) -> tuple[torch.Tensor, float]:
+                   constrained: bool = True, base: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """The non-parametric adapted policy on ``N`` sampled (state, action) pairs: self-normalised weights ``(N,)``
-    (summing to 1) and nu*: the same dual with the sample distribution as the anchor (one "state", uniform
-    anchor over the samples; inferred)."""
+    (summing to 1) and nu*: the same dual with the sample distribution as the anchor (one "state"; anchor
+    weights ``base`` ``(N,)``, e.g. the discount ``gamma^t`` of each sample's step, uniform when None; inferred)."""
     n = adv_r.shape[0]
-    log_pi0 = torch.full((1, n), -math.log(n), dtype=adv_r.dtype)
+    if base is None:
+        log_pi0 = torch.full((1, n), -math.log(n), dtype=adv_r.dtype)
+    else:
+        log_pi0 = (base / base.sum()).clamp_min(1e-300).log()[None].to(adv_r.dtype)
     occ = torch.ones(1, dtype=adv_r.dtype)
     nu = solve_dual(log_pi0, adv_r[None], adv_c[None], occ, budget, eta, kappa) if constrained else 0.0
     log_pi, _, _ = tilt(log_pi0, adv_r[None], adv_c[None], nu, eta, kappa)
@@ -318,8 +324,9 @@ class SafeMetaRLModule(pl.LightningModule):
     DDP ranks (each rank draws its own tasks).
 
     Logged: ``train/adapted_J_r``, ``train/meta_J_c``, ``train/lambda``, ``train/infeasible``, ``train/step_s``;
-    at validation / test: ``<stage>/J_r_final``, ``<stage>/violations`` (adaptation steps over all held-out tasks
-    whose J_c exceeds d), ``<stage>/J_c_max``; :class:`SafetyMonitor` adds the per-step curves and plot.
+    at validation / test: ``<stage>/J_r_final`` (mean over the held-out tasks of J_r after their last step),
+    ``<stage>/violations`` (adaptation steps over all held-out tasks whose J_c exceeds d), ``<stage>/J_c_max``,
+    ``<stage>/stopped`` (steps not taken because an anchor was already infeasible); :class:`SafetyMonitor` adds the per-step curves and plot.
 
     Args:
         env: the tabular environment family.
@@ -335,7 +342,7 @@ class SafeMetaRLModule(pl.LightningModule):
         pg_alpha: step size of the ``pg_lagrange`` step on the logits. Default: 1.0.
     """
 
-    def __init__(self, env: Any, eta: float = 0.1, kappa: float = 0.1, meta_lr: float = 0.1, adapt: str = "safe",
+    def __init__(self, env: SafeGridNav, eta: float = 0.1, kappa: float = 0.1, meta_lr: float = 0.1, adapt: str = "safe",
                  meta_gradient: str = "hessian_free", adapt_steps: int = 5, dual_lr: float = 1.0, pg_lambda: float = 1.0,
                  pg_alpha: float = 1.0) -> None:
         super().__init__()
@@ -420,7 +427,8 @@ class SafeMetaRLModule(pl.LightningModule):
             r["stage"] = stage
         self.adapt_rows = rows
         steps = [r for r in rows if r["step"] > 0]
-        finals = [r["J_r"] for r in rows if r["step"] == self.adapt_steps]
+        finals = [max((r for r in rows if r["task"] == t), key=lambda r: r["step"])["J_r"] for t in {r["task"] for r in rows}]
+        self.log(f"{stage}/stopped", float(len(batch) * (self.adapt_steps + 1) - len(rows)))
         self.log(f"{stage}/violations", float(sum(r["violation"] for r in steps)))
         self.log(f"{stage}/J_c_max", max(r["J_c"] for r in rows))
         self.log(f"{stage}/J_r_final", sum(finals) / max(1, len(finals)))
@@ -472,3 +480,255 @@ class SafetyMonitor(Callback):
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._report(trainer, pl_module, "test")
+
+
+# -- neural path --------------------------------------------------------------------------------------------
+
+class GaussianPolicy(torch.nn.Module):
+    """``a ~ N(mu(s), diag(exp(log_std)^2))`` with an MLP mean and a state-independent log-std.
+
+    Args:
+        obs_dim, act_dim: sizes.
+        hidden: hidden width (two layers). Default: 64.
+        init_log_std: initial log-std. Default: -0.5.
+    """
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int = 64, init_log_std: float = -0.5) -> None:
+        super().__init__()
+        self.mean = torch.nn.Sequential(torch.nn.Linear(obs_dim, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
+                                        torch.nn.Tanh(), torch.nn.Linear(hidden, act_dim))
+        self.log_std = torch.nn.Parameter(torch.full((act_dim,), init_log_std))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        """A sampled action ``(..., act_dim)`` (uses the global RNG; seed it for reproducible rollouts)."""
+        mu = self.mean(obs)
+        return mu + self.log_std.exp() * torch.randn_like(mu)
+
+    def log_prob(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """``log pi(a | s)`` ``(...)``."""
+        mu, std = self.mean(obs), self.log_std.exp()
+        return (-0.5 * ((act - mu) / std) ** 2 - std.log() - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+
+def gae(rew: torch.Tensor, gamma: float, lam: float = 0.95) -> torch.Tensor:
+    """GAE(lambda) advantages ``(T, N, H)`` with a time-indexed baseline ``V_t`` = the mean over the N envs of
+    the discounted return-to-go from step t (no value network; ``V_H = 0``)."""
+    H = rew.shape[-1]
+    ret = torch.zeros_like(rew)
+    run = torch.zeros_like(rew[..., 0])
+    for t in reversed(range(H)):
+        run = rew[..., t] + gamma * run
+        ret[..., t] = run
+    V = ret.mean(1, keepdim=True).expand_as(rew)  # (T, N, H)
+    V_next = torch.cat([V[..., 1:], torch.zeros_like(V[..., :1])], -1)
+    delta = rew + gamma * V_next - V
+    adv = torch.zeros_like(rew)
+    run = torch.zeros_like(rew[..., 0])
+    for t in reversed(range(H)):
+        run = delta[..., t] + gamma * lam * run
+        adv[..., t] = run
+    return adv
+
+
+@register_summary("safe_meta_rl", help="reward and cost per adaptation step and violations of safe meta-RL runs")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Markdown: per environment, adaptation step and meta-gradient (from the saved configs): runs, mean J_r and
+    max J_c at every adaptation step over the held-out tasks and seeds, the violation count (steps >= 1 over
+    tasks and seeds), and the median meta-step time."""
+    import csv
+    import statistics as st
+    from pathlib import Path
+
+    from lowrank_lit.report import class_label, find_runs, markdown_table, read_config
+
+    by: dict[str, list[tuple[list[dict[str, str]], list[float]]]] = {}
+    for d in find_runs(roots, "adaptation_test.csv", required=True):
+        with open(Path(d) / "adaptation_test.csv") as f:
+            rows = list(csv.DictReader(f))
+        with open(Path(d) / "metrics.csv") as f:
+            times = [float(r["train/step_s"]) for r in csv.DictReader(f) if r.get("train/step_s")]
+        init = read_config(d)["model"]["init_args"]
+        key = f"{class_label(init['env'])} {init.get('adapt', 'safe')}"
+        if init.get("meta_gradient", "hessian_free") != "hessian_free":
+            key += f" ({init['meta_gradient']} meta-gradient)"
+        by.setdefault(key, []).append((rows, times))
+    steps = sorted({int(r["step"]) for runs in by.values() for rows, _ in runs for r in rows})
+    table = []
+    for name, runs in sorted(by.items()):
+        allrows = [r for rows, _ in runs for r in rows]
+        cells = []
+        for k in steps:
+            at = [r for r in allrows if int(r["step"]) == k]
+            cells.append(f"{st.fmean(float(r['J_r']) for r in at):.2f} / {max(float(r['J_c']) for r in at):.2f}" if at else "-")
+        viol = sum(int(r["violation"]) for r in allrows if int(r["step"]) > 0)
+        times = [t for _, ts in runs for t in ts[1:]]
+        table.append([name, len(runs), *cells, viol, f"{1e3 * st.median(times):.1f}" if times else "-"])
+    return markdown_table(["environment / step", "runs", *(f"step {k} J_r / max J_c" for k in steps), "violations",
+                           "meta-step (ms)"], table)
+
+
+class NeuralSafeMetaRLModule(pl.LightningModule):
+    """Safe meta-RL with a Gaussian policy network on a continuous task family (:mod:`lowrank_lit.envs.continuous`).
+
+    Rollouts run inside the module (manual optimisation). Adaptation (inferred, module docstring): GAE(lambda)
+    advantages of reward and cost on ``n_envs`` rollouts of the anchor; the safe step's self-normalised weights
+    on the sampled (s, a) pairs (anchor weights ``gamma^t``, budget ``(1 - gamma)(d - J_c)``); projection to the
+    network by weighted maximum likelihood (``proj_steps`` Adam steps from the anchor's weights).
+    Meta-gradient (Hessian-free, first order): the gradient of ``sum_i w_i (A_i - sum_j w_j A_j) log pi_phi(a_i|s_i)``
+    (the adapted policy's score with z fixed; the anchor's advantages stand in for the adapted policy's), minus
+    ``lambda`` times the REINFORCE gradient of the worst task's cost; ``lambda`` by projected dual ascent.
+    Meta-test: ``adapt_steps`` successive steps per held-out task, each policy evaluated by its rollouts (one row
+    per step, as :class:`SafeMetaRLModule`, for :class:`SafetyMonitor`). The baselines differ only in the
+    test-time step: ``unconstrained`` (nu = 0) and ``pg_lagrange`` (one policy-gradient step with the fixed
+    multiplier ``pg_lambda``).
+
+    Args:
+        env: a continuous family (``PointNav2D``, ``VelocityCart``, ``HalfCheetahVelocity``).
+        eta: KL weight (> 0), in the advantages' units. Default: 1.0.
+        kappa: KL weight of the constraint (>= 0). Default: 0.5.
+        meta_lr: Adam learning rate of the meta-policy. Default: 3e-3.
+        adapt: ``safe``, ``unconstrained`` or ``pg_lagrange``. Default: safe.
+        adapt_steps: successive adaptation steps at meta-test. Default: 3.
+        n_envs: rollouts per task and step. Default: 32.
+        dual_lr: step of the meta-constraint multiplier. Default: 0.1.
+        pg_lambda: fixed multiplier of the ``pg_lagrange`` step. Default: 1.0.
+        pg_alpha: step size of the ``pg_lagrange`` step. Default: 0.05.
+        proj_steps: Adam steps of the weighted maximum-likelihood projection. Default: 50.
+        proj_lr: their learning rate (small: the projection stays near the anchor where the samples are). Default: 1e-3.
+        gae_lambda: GAE lambda. Default: 0.95.
+        hidden: policy width. Default: 64.
+    """
+
+    def __init__(self, env: ContinuousFamily, eta: float = 1.0, kappa: float = 0.5, meta_lr: float = 3e-3, adapt: str = "safe",
+                 adapt_steps: int = 3, n_envs: int = 32, dual_lr: float = 0.1, pg_lambda: float = 1.0, pg_alpha: float = 0.05,
+                 proj_steps: int = 50, proj_lr: float = 1e-3, gae_lambda: float = 0.95, hidden: int = 64) -> None:
+        super().__init__()
+        if adapt not in ADAPT:
+            raise ValueError(f"NeuralSafeMetaRLModule: adapt={adapt!r}; allowed: {', '.join(ADAPT)}")
+        if eta <= 0:
+            raise ValueError(f"NeuralSafeMetaRLModule: eta={eta!r}; allowed: > 0")
+        if kappa < 0:
+            raise ValueError(f"NeuralSafeMetaRLModule: kappa={kappa!r}; allowed: >= 0")
+        if adapt_steps < 1 or n_envs < 2:
+            raise ValueError(f"NeuralSafeMetaRLModule: adapt_steps={adapt_steps!r} (>= 1), n_envs={n_envs!r} (>= 2)")
+        self.save_hyperparameters(ignore=["env"], logger=False)
+        self.automatic_optimization = False
+        self.env = env
+        self.policy = GaussianPolicy(env.obs_dim, env.act_dim, hidden)
+        self.register_buffer("lam", torch.zeros(()))
+        self.adapt_rows: list[dict[str, Any]] = []
+        self._gen = torch.Generator().manual_seed(0)
+
+    def on_fit_start(self) -> None:
+        self._gen.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * self.global_rank)  # per-rank stream
+
+    def _rollout(self, policy: GaussianPolicy, tasks: list[int]) -> dict[str, torch.Tensor]:
+        ro = self.env.rollout(policy, torch.tensor(tasks), self.hparams.n_envs, self._gen)
+        g, H = self.env.gamma, ro.rew.shape[-1]
+        from lowrank_lit.envs.continuous import discounted_sum
+
+        return {"obs": ro.obs, "act": ro.act, "adv_r": gae(ro.rew, g, self.hparams.gae_lambda),
+                "adv_c": gae(ro.cost, g, self.hparams.gae_lambda), "J_r": discounted_sum(ro.rew, g).mean(1),
+                "J_c": discounted_sum(ro.cost, g).mean(1), "base": (g ** torch.arange(H, dtype=torch.float32)).expand_as(ro.rew)}
+
+    def _weights(self, b: dict[str, torch.Tensor], k: int, constrained: bool) -> tuple[torch.Tensor, float]:
+        budget = (1 - self.env.gamma) * (self.env.limit - float(b["J_c"][k]))
+        w, nu = sample_weights(b["adv_r"][k].flatten().double(), b["adv_c"][k].flatten().double(), budget, self.hparams.eta,
+                               self.hparams.kappa, constrained, base=b["base"][k].flatten().double())
+        return w.float(), nu
+
+    def adapt_step(self, policy: GaussianPolicy, b: dict[str, torch.Tensor], k: int) -> tuple[GaussianPolicy, float]:
+        """One adaptation step from ``policy`` with its rollouts ``b`` (task row ``k``)."""
+        import copy
+
+        new = copy.deepcopy(policy)
+        obs, act = b["obs"][k].flatten(0, 1), b["act"][k].flatten(0, 1)  # (N*H, d)
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("NeuralSafeMetaRLModule: adaptation needs gradients; set trainer.inference_mode: false")
+        with torch.enable_grad():
+            return self._adapt(new, b, k, obs, act)
+
+    def _adapt(self, new: GaussianPolicy, b: dict[str, torch.Tensor], k: int, obs: torch.Tensor,
+               act: torch.Tensor) -> tuple[GaussianPolicy, float]:
+        if self.hparams.adapt == "pg_lagrange":
+            p = b["base"][k].flatten() / b["base"][k].sum()
+            adv = (b["adv_r"][k] - self.hparams.pg_lambda * b["adv_c"][k]).flatten()
+            loss = -(p * adv * new.log_prob(obs, act)).sum()
+            grads = torch.autograd.grad(loss, list(new.parameters()))
+            with torch.no_grad():
+                for prm, g in zip(new.parameters(), grads, strict=True):
+                    prm -= self.hparams.pg_alpha * g
+            return new, self.hparams.pg_lambda
+        w, nu = self._weights(b, k, self.hparams.adapt == "safe")
+        weighted_ml_projection(new.log_prob, list(new.parameters()), obs, act, w, self.hparams.proj_steps, self.hparams.proj_lr)
+        return new, nu
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        tasks = [int(t) for t in batch]
+        b = self._rollout(self.policy, tasks)
+        loss_r = torch.zeros(())
+        infeasible = 0
+        for k in range(len(tasks)):
+            obs, act = b["obs"][k].flatten(0, 1), b["act"][k].flatten(0, 1)
+            adv = b["adv_r"][k].flatten()
+            try:
+                w, _ = self._weights(b, k, True)
+            except InfeasibleAnchorError:
+                w, infeasible = b["base"][k].flatten() / b["base"][k].sum(), infeasible + 1
+            loss_r = loss_r - (w * (adv - (w * adv).sum()) * self.policy.log_prob(obs, act)).sum() / len(tasks)
+        worst = int(b["J_c"].argmax())
+        p = b["base"][worst].flatten() / b["base"][worst].sum()
+        loss_c = (p * b["adv_c"][worst].flatten() * self.policy.log_prob(b["obs"][worst].flatten(0, 1), b["act"][worst].flatten(0, 1))).sum()
+        loss = loss_r + self.lam * loss_c
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if self.trainer.world_size > 1:
+            import torch.distributed as dist
+
+            for prm in self.policy.parameters():
+                dist.all_reduce(prm.grad)
+                prm.grad /= self.trainer.world_size
+        opt.step()
+        self.lam.copy_((self.lam + self.hparams.dual_lr * (float(b["J_c"][worst]) - self.env.limit)).clamp_min(0))
+        self.log_dict({"train/J_r": float(b["J_r"].mean()), "train/meta_J_c": float(b["J_c"][worst]), "train/lambda": float(self.lam),
+                       "train/infeasible": float(infeasible), "train/step_s": time.perf_counter() - t0})
+
+    def meta_test(self, tasks: list[int]) -> list[dict[str, Any]]:
+        rows = []
+        for t in tasks:
+            policy = self.policy
+            for k in range(self.hparams.adapt_steps + 1):
+                b = self._rollout(policy, [t])
+                jc = float(b["J_c"][0])
+                rows.append({"task": t, "step": k, "J_r": float(b["J_r"][0]), "J_c": jc,
+                             "violation": int(jc > self.env.limit), "nu": float("nan")})
+                if k == self.hparams.adapt_steps:
+                    break
+                try:
+                    policy, rows[-1]["nu"] = self.adapt_step(policy, b, 0)
+                except InfeasibleAnchorError:
+                    break
+        return rows
+
+    def _eval(self, batch: torch.Tensor, stage: str) -> None:
+        rows = self.meta_test([int(t) for t in batch])
+        for r in rows:
+            r["stage"] = stage
+        self.adapt_rows = rows
+        finals = [max((r for r in rows if r["task"] == t), key=lambda r: r["step"])["J_r"] for t in {r["task"] for r in rows}]
+        self.log(f"{stage}/stopped", float(len(batch) * (self.hparams.adapt_steps + 1) - len(rows)))
+        self.log(f"{stage}/violations", float(sum(r["violation"] for r in rows if r["step"] > 0)))
+        self.log(f"{stage}/J_c_max", max(r["J_c"] for r in rows))
+        self.log(f"{stage}/J_r_final", sum(finals) / max(1, len(finals)))
+        self.log(f"{stage}/J_r_meta", sum(r["J_r"] for r in rows if r["step"] == 0) / len(batch))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._eval(batch, "val")
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._eval(batch, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.policy.parameters(), lr=self.hparams.meta_lr)

@@ -219,6 +219,72 @@ def test_config_runs_and_monitor_writes(name, tmp_path):
     assert len(rows) == 3 * 6 and (run / "adaptation_test.png").is_file()
 
 
+# -- neural path -------------------------------------------------------------------------------------------
+
+def test_continuous_families_are_vectorised_and_seeded():
+    from lowrank_lit.envs import PointNav2D, VelocityCart
+
+    for env in (PointNav2D(), VelocityCart()):
+        pol = lambda o, env=env: torch.ones(*o.shape[:-1], env.act_dim)  # noqa: E731  constant push
+        ro = env.rollout(pol, torch.tensor([0, 3]), 5, torch.Generator().manual_seed(0))
+        H = env.horizon
+        assert ro.obs.shape == (2, 5, H, env.obs_dim) and ro.rew.shape == (2, 5, H) == ro.cost.shape
+        ro2 = env.rollout(pol, torch.tensor([0, 3]), 5, torch.Generator().manual_seed(0))
+        assert torch.equal(ro.rew, ro2.rew)
+        # one task alone gives the same trajectory as inside the batch (no cross-talk)
+        one = env.rollout(pol, torch.tensor([3]), 5, torch.Generator().manual_seed(0))
+        assert one.rew.shape == (1, 5, H)
+    # point nav: pushing (1, 1) for 40 steps walks 0.1 per step per axis (clipped)
+    env = PointNav2D()
+    ro = env.rollout(lambda o: 3 * torch.ones(*o.shape[:-1], 2), torch.tensor([1]), 2, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ro.obs[0, :, 1] - ro.obs[0, :, 0], torch.full((2, 2), 0.1))
+    # the hazard disc on the way to goal 0 costs when crossed; goal 1's direction is clear
+    straight0 = env.rollout(lambda o: torch.tensor([1.0, 0.0]).expand(*o.shape[:-1], 2), torch.tensor([0]), 2, torch.Generator().manual_seed(0))
+    assert float(straight0.cost.sum()) > 0
+    cart = VelocityCart()
+    ro = cart.rollout(lambda o: torch.ones(*o.shape[:-1], 1), torch.tensor([7]), 2, torch.Generator().manual_seed(0))
+    assert float(ro.cost[0, :, :5].sum()) == 0 and float(ro.cost[0, :, -5:].mean()) == 1  # speeds past v_max
+    with pytest.raises(ValueError, match="tasks \\[9\\]; allowed: 0..7"):
+        env.rollout(lambda o: o, torch.tensor([9]), 2, torch.Generator())
+
+
+def test_gae_gaussian_policy_and_projection():
+    from lowrank_lit.methods.safe_meta_rl import GaussianPolicy, gae, weighted_ml_projection
+
+    torch.manual_seed(0)
+    rew = torch.randn(2, 6, 7)
+    # lambda = 1: advantages = discounted return-to-go minus the time-indexed mean baseline
+    adv = gae(rew, 0.9, 1.0)
+    ret = torch.stack([(rew[..., t:] * 0.9 ** torch.arange(7 - t)).sum(-1) for t in range(7)], -1)
+    torch.testing.assert_close(adv, ret - ret.mean(1, keepdim=True), atol=1e-5, rtol=1e-5)
+    pol = GaussianPolicy(3, 2, 16)
+    obs, act = torch.randn(10, 3), torch.randn(10, 2)
+    dist = torch.distributions.Normal(pol.mean(obs), pol.log_std.exp())
+    torch.testing.assert_close(pol.log_prob(obs, act), dist.log_prob(act).sum(-1))
+    # projection: weights on one action cluster pull the mean there
+    obs = torch.zeros(200, 3)
+    act = torch.cat([torch.full((100, 2), 1.0), torch.full((100, 2), -1.0)])
+    w = torch.cat([torch.full((100,), 0.9 / 100), torch.full((100,), 0.1 / 100)])
+    weighted_ml_projection(pol.log_prob, list(pol.parameters()), obs, act, w, steps=300, lr=3e-2)
+    assert torch.allclose(pol.mean(obs[:1]), torch.full((1, 2), 0.8), atol=0.05)
+
+
+@pytest.mark.parametrize("name", ["pointnav_safe", "pointnav_pg_lagrange", "velocitycart_safe", "halfcheetah_velocity"])
+def test_neural_config_runs(name, tmp_path):
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    extra = ["--model.init_args.env.init_args.horizon=20"] if name == "halfcheetah_velocity" else []
+    assert run_cli("fit", "--config", CONFIGS / "safe_meta_rl" / f"{name}.yaml", "--trainer.max_epochs=1",
+                   "--data.init_args.steps_per_epoch=2", "--trainer.log_every_n_steps=1", "--model.init_args.n_envs=4",
+                   "--model.init_args.adapt_steps=2", *extra, "--run_id=smoke", "--trainer.enable_progress_bar=false",
+                   run_root=tmp_path) == 0
+    run = tmp_path / "safe_meta_rl" / name / "smoke"
+    vals = last_values(run / "metrics.csv")
+    assert {"test/violations", "test/J_r_final", "test/step0/J_c", "test/stopped", "train/lambda", "train/J_r"} <= set(vals)
+    assert (run / "adaptation_test.png").is_file()
+
+
 # -- must show (card section 4) -----------------------------------------------------------------------------
 
 @pytest.mark.slow
