@@ -17,8 +17,9 @@ cost), ``num_tasks`` and ``rollout(policy, tasks, n_envs, generator) -> Rollout`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
