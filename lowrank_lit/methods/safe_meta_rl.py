@@ -13,7 +13,8 @@ with ``d0`` the anchor's normalised discounted occupancy. Its solution is the ex
 ``pi_nu = pi0 exp(z_nu) / Z_nu``, ``z_nu = (A_r - nu A_c) / (eta + nu kappa)``, with the scalar dual
 ``nu* = argmin_{nu >= 0} g(nu)``, ``g(nu) = (eta + nu kappa) E_{d0}[log Z_nu] + nu b`` (convex). By the envelope
 theorem ``g'(nu) = b - C(nu)`` where ``C(nu)`` is the constraint's left side at ``pi_nu``, which falls with nu;
-:func:`solve_dual` returns 0 when ``C(0) <= b`` and otherwise bisects ``C(nu) = b`` (complementary slackness).
+:func:`solve_dual` returns 0 when ``C(0) <= b`` and otherwise solves ``C(nu) = b`` by bracketing and Brent's method
+(complementary slackness).
 A feasible anchor (``b >= 0``) always has a solution (``C -> -kappa E log E_pi0 exp(-A_c / kappa) <= 0``); an
 infeasible one raises :class:`InfeasibleAnchorError`.
 
@@ -110,7 +111,7 @@ def dual_objective(nu: float, log_pi0: torch.Tensor, adv_r: torch.Tensor, adv_c:
 def solve_dual(log_pi0: torch.Tensor, adv_r: torch.Tensor, adv_c: torch.Tensor, occupancy: torch.Tensor, budget: float,
                eta: float, kappa: float, tol: float = 1e-10, nu_max: float = 1e12) -> float:
     """``nu* >= 0`` (module docstring): 0 when the unconstrained tilt is feasible, else the root of ``C(nu) = b``
-    by bracketing (doubling) and bisection to relative ``tol``.
+    by bracketing (doubling) and Brent's method (scipy) to relative ``tol``, on its feasible side.
 
     Raises:
         InfeasibleAnchorError: ``budget < 0`` (the anchor violates the limit), or no nu up to ``nu_max`` is feasible.
@@ -130,10 +131,12 @@ def solve_dual(log_pi0: torch.Tensor, adv_r: torch.Tensor, adv_c: torch.Tensor, 
         lo, hi = hi, 2 * hi
         if hi > nu_max:
             raise InfeasibleAnchorError(f"solve_dual: no nu <= {nu_max:g} satisfies the constraint (b={budget:.4g})")
-    while hi - lo > tol * (1 + hi):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
-    return hi  # the feasible end of the bracket
+    from scipy.optimize import brentq
+
+    nu = brentq(excess, lo, hi, xtol=tol * (1 + hi), rtol=1e-15)
+    while excess(nu) > 0:  # the feasible side of the root
+        nu += tol * (1 + hi)
+    return float(nu)
 
 
 def safe_adapt(policy: torch.Tensor, adv_r: torch.Tensor, adv_c: torch.Tensor, occupancy: torch.Tensor, budget: float,
@@ -205,8 +208,9 @@ def hessian_free_meta_grad(env: Any, phi: torch.Tensor, tasks: list[int], eta: f
         except InfeasibleAnchorError:
             pi1, nu = pi, float("nan")
             stats["infeasible"] += 1
-        grad += tabular_policy_gradient(env, pi1, env.reward(t))
-        stats["adapted_J_r"] += float(env.evaluate(pi1, t)[0].J) / len(tasks)
+        er, _, occ = env.evaluate(pi1, t)
+        grad += occ[:, None] / (1 - env.gamma) * pi1 * er.A  # = tabular_policy_gradient(env, pi1, r), one solve less
+        stats["adapted_J_r"] += float(er.J) / len(tasks)
         stats["nu"] += (0.0 if math.isnan(nu) else nu) / len(tasks)
     return grad / len(tasks), stats
 
