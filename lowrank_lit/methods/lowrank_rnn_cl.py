@@ -30,11 +30,19 @@ parameters; the context sum is one einsum over components (no Python loop).
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
-__all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context"]
+from lowrank_lit.data.stream import SeededBatches, run_seed, stream_loader
+from lowrank_lit.registry import register_method
+from lowrank_lit.report import register_summary
+
+__all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context", "VanillaRNN", "CognitiveStreamDataModule", "WhatHowModule"]
+
+PAPER = "Separating the what and how of compositional computation to enable reuse and continual learning"
 
 
 def check_context(context: torch.Tensor, batch: int, steps: int, k: int) -> None:
@@ -60,11 +68,12 @@ class ComposedLowRankRNN(nn.Module):
         gamma: scale of the low-rank sum. Default: 1.0.
         w0_gain: gain of the fixed random W_0 (entries N(0, (gain / sqrt(N))^2)); 0 for none. Default: 0.8.
         init_std: std of U_k, V_k. Default: 0.1.
-        seed: seed of the fixed W_0, W_in and the initial parameters. Default: 0.
+        seed: seed of the fixed W_0, W_in and the initial parameters; None: drawn from torch's global generator
+            (the run seed under ``seed_everything``). Default: None.
     """
 
     def __init__(self, n_in: int = 3, n_out: int = 3, n_units: int = 64, rank: int = 2, max_components: int = 16,
-                 alpha: float = 0.2, gamma: float = 1.0, w0_gain: float = 0.8, init_std: float = 0.1, seed: int = 0) -> None:
+                 alpha: float = 0.2, gamma: float = 1.0, w0_gain: float = 0.8, init_std: float = 0.1, seed: int | None = None) -> None:
         super().__init__()
         if not 1 <= rank <= n_units:
             raise ValueError(f"ComposedLowRankRNN: rank={rank!r}; allowed: 1..n_units={n_units}")
@@ -72,7 +81,7 @@ class ComposedLowRankRNN(nn.Module):
             raise ValueError(f"ComposedLowRankRNN: alpha={alpha!r}; allowed: (0, 1]")
         if max_components < 1:
             raise ValueError(f"ComposedLowRankRNN: max_components={max_components!r}; allowed: >= 1")
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,))))
         self.n_in, self.n_out, self.n_units, self.rank, self.max_components = n_in, n_out, n_units, rank, max_components
         self.alpha, self.gamma = alpha, gamma
         self.U = nn.Parameter(init_std * torch.randn(max_components, n_units, rank, generator=g))  # (K, N, r)
@@ -180,26 +189,36 @@ class EpochHMM:
         return m / m.sum(1, keepdim=True)
 
     def _initial(self, task: str) -> torch.Tensor:
-        c = self.init.get(task, torch.zeros(self.K_max, dtype=torch.float64))[: self.K] + self.eps
+        """The task's initial-epoch distribution; a new task borrows the counts pooled over the known tasks."""
+        pooled = sum(self.init.values()) if self.init else torch.zeros(self.K_max, dtype=torch.float64)
+        c = self.init.get(task, pooled)[: self.K] + self.eps
         return c / c.sum()
 
     # -- inference -----------------------------------------------------------------------------------------
-    def filter(self, inputs: torch.Tensor, x: float, task: str) -> torch.Tensor:
-        """``c_t = p(z_t | s_1..t, task)`` ``(T, max_components)`` (zeros beyond the vocabulary) from the inputs
-        ``(T, n_inputs)``; the target dimensions are marginalised (not used)."""
+    def filter(self, inputs: torch.Tensor, x: torch.Tensor | float, task: str) -> torch.Tensor:
+        """``c_t = p(z_t | s_1..t, task)`` from the inputs only (the target dimensions are marginalised): inputs
+        ``(T, n_inputs)`` or a batch ``(B, T, n_inputs)`` with trial variables ``x`` ``(B,)``; returns ``(T, K_max)``
+        or ``(B, T, K_max)`` (zeros beyond the vocabulary)."""
         if inputs.shape[-1] != self.n_inputs:
             raise ValueError(f"EpochHMM.filter: inputs with {inputs.shape[-1]} features; allowed: n_inputs={self.n_inputs}")
-        lam = self.transition_matrix(task)
-        q = torch.cat([inputs.double(), torch.zeros(inputs.shape[0], self.D - self.n_inputs, dtype=torch.float64)], 1)
-        ll = self.loglik(q, x, slice(0, self.n_inputs))  # (T, K)
-        out = torch.zeros(inputs.shape[0], self.K_max, dtype=torch.float64)
-        alpha = self._initial(task)
-        for t in range(ll.shape[0]):
+        single = inputs.ndim == 2
+        s = inputs[None] if single else inputs  # (B, T, n)
+        xs = torch.as_tensor(x, dtype=torch.float64).reshape(-1).expand(s.shape[0])
+        if not bool(torch.isfinite(s).all()):
+            raise ValueError("EpochHMM: observations contain NaN or inf")
+        lam = self.transition_matrix(task)  # (K, K)
+        K, n = self.K, self.n_inputs
+        mu = torch.einsum("kdf,bf->bkd", self.A[:K, :n], self.features(xs))  # (B, K, n)
+        var = self.var[:K, :n]
+        ll = -0.5 * (((s.double()[:, :, None] - mu[:, None]) ** 2 / var) + torch.log(2 * math.pi * var)).sum(-1)  # (B, T, K)
+        out = torch.zeros(s.shape[0], s.shape[1], self.K_max, dtype=torch.float64)
+        alpha = self._initial(task).expand(s.shape[0], K)
+        for t in range(s.shape[1]):
             prior = alpha if t == 0 else alpha @ lam
-            post = prior * torch.exp(ll[t] - ll[t].max())
-            alpha = post / post.sum()
-            out[t, : self.K] = alpha
-        return out
+            post = prior * torch.exp(ll[:, t] - ll[:, t].max(1, keepdim=True).values)
+            alpha = post / post.sum(1, keepdim=True)
+            out[:, t, :K] = alpha
+        return out[0] if single else out
 
     def _viterbi(self, ll: torch.Tensor, lam: torch.Tensor, init: torch.Tensor) -> list[int]:
         T, K = ll.shape
@@ -242,7 +261,7 @@ class EpochHMM:
         first revisit that none explains is returned as the segment for a new epoch."""
         ll = self.loglik(q, x)
         lam = self._lambda(self.trans.get(task, torch.zeros(self.K_max, self.K_max, dtype=torch.float64)))
-        path = self._viterbi(ll, lam, torch.full((self.K,), 1.0 / self.K, dtype=torch.float64))
+        path = self._viterbi(ll, lam, self._initial(task))
         runs, t = [], 0
         while t < len(path):
             s0 = t
@@ -329,3 +348,332 @@ def _first_run(mask: torch.Tensor, min_len: int) -> tuple[int, int] | None:
     return None
 
 
+
+
+# -- Lightning ----------------------------------------------------------------------------------------------
+
+class VanillaRNN(nn.Module):
+    """Baseline: a full-rank leaky RNN (same leak and sizes) with a one-hot task input appended to the inputs.
+
+    Args:
+        n_in, n_out, n_units: sizes (n_in includes the one-hot task block). alpha: leak. seed: init seed.
+    """
+
+    def __init__(self, n_in: int = 7, n_out: int = 3, n_units: int = 64, alpha: float = 0.2, seed: int | None = None) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, (1,))))
+        self.alpha, self.n_units = alpha, n_units
+        self.W = nn.Parameter(0.8 * torch.randn(n_units, n_units, generator=g) / math.sqrt(n_units))
+        self.W_in = nn.Parameter(torch.randn(n_units, n_in, generator=g) / math.sqrt(n_in))
+        self.b = nn.Parameter(torch.zeros(n_units))
+        self.W_out = nn.Parameter(torch.randn(n_out, n_units, generator=g) / math.sqrt(n_units))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(inputs.shape[0], self.n_units, dtype=inputs.dtype)
+        drive = inputs @ self.W_in.T + self.b
+        outs = []
+        for t in range(inputs.shape[1]):
+            h = (1 - self.alpha) * h + self.alpha * (torch.tanh(h) @ self.W.T + drive[:, t])
+            outs.append(torch.tanh(h) @ self.W_out.T)
+        return torch.stack(outs, 1)
+
+
+class _StreamBatches(SeededBatches):
+    """Item i: a batch of ``tasks[i // steps]`` from the generator seeded by (seed, epoch, i)."""
+
+    def __init__(self, tasks: list[str], steps: int, batch_size: int, noise: float, seed: int) -> None:
+        super().__init__(lambda g: None, len(tasks) * steps, seed)
+        self.tasks, self.steps, self.batch_size, self.noise = tasks, steps, batch_size, noise
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        from lowrank_lit.data.cognitive import make_trials
+
+        stage = int(i) // self.steps
+        self.sample = lambda g: {**make_trials(self.tasks[stage], self.batch_size, g, self.noise), "stage": stage}
+        return super().__getitem__(i)
+
+
+class CognitiveStreamDataModule(pl.LightningDataModule):
+    """The task stream: ``steps_per_stage`` batches of each of ``tasks`` in order (one epoch = the whole stream),
+    every batch seeded by its index (the same on every rank and after a resume).
+
+    Args:
+        tasks: training tasks in stage order. Default: [DelayPro, DelayAnti, MemoryPro].
+        eval_tasks: tasks of the forgetting matrix (may include unseen ones). Default: the four tasks.
+        steps_per_stage: Adam steps per task. Default: 250.
+        batch_size: trials per step. Default: 64.
+        noise: input noise. Default: 0.05.
+        seed: None: the run seed. Default: None.
+    """
+
+    def __init__(self, tasks: list[str] | None = None, eval_tasks: list[str] | None = None, steps_per_stage: int = 250,
+                 batch_size: int = 64, noise: float = 0.05, seed: int | None = None) -> None:
+        super().__init__()
+        from lowrank_lit.data.cognitive import TASKS
+
+        self.tasks = list(tasks) if tasks is not None else ["DelayPro", "DelayAnti", "MemoryPro"]
+        self.eval_tasks = list(eval_tasks) if eval_tasks is not None else list(TASKS)
+        for t in [*self.tasks, *self.eval_tasks]:
+            if t not in TASKS:
+                raise ValueError(f"CognitiveStreamDataModule: task {t!r}; allowed: {', '.join(TASKS)}")
+        if steps_per_stage < 1:
+            raise ValueError(f"CognitiveStreamDataModule: steps_per_stage={steps_per_stage!r}; allowed: >= 1")
+        self.steps_per_stage, self.batch_size, self.noise, self.seed = steps_per_stage, batch_size, noise, seed
+
+    def train_dataloader(self) -> Any:
+        return stream_loader(_StreamBatches(self.tasks, self.steps_per_stage, self.batch_size, self.noise, run_seed(self.seed)))
+
+
+METHODS = ("what_how", "oracle", "vanilla")
+
+
+@register_method("lowrank_rnn_cl", kind="Module", paper=PAPER)
+class WhatHowModule(pl.LightningModule):
+    """Continual learning over the task stream of :class:`CognitiveStreamDataModule`.
+
+    ``method``: ``what_how`` (context inferred by the :class:`EpochHMM`, which first observes ``what_trials`` trials
+    of each new task, unsupervised, one at a time), ``oracle`` (one-hot true epochs; one component per epoch in
+    order of first appearance) or ``vanilla`` (:class:`VanillaRNN` with a one-hot task input, every weight
+    trained at every stage). At a stage boundary the optimizer is rebuilt (fresh Adam state), the components that
+    existed before the stage are frozen when ``freeze_reused`` (exactly: their gradients are masked, so Adam
+    leaves them bit-identical) and ``W_out`` is trained in the first stage only. After every stage the accuracy
+    on every evaluation task is logged (``forget/after_<k>_<trained>/<task>``), the forgetting matrix is written to
+    ``forgetting.csv`` / ``forgetting.png`` and the vocabulary size to ``train/vocab``; ``inferred_epochs.png``
+    shows inferred against true epochs of one trial per task.
+
+    Args:
+        how: the composed RNN (``what_how`` / ``oracle``).
+        what: the epoch HMM (``what_how``); None: defaults.
+        method: ``what_how``, ``oracle`` or ``vanilla``. Default: what_how.
+        vanilla: the baseline network (``vanilla``); None: defaults.
+        freeze_reused: freeze components used by earlier stages. Default: True.
+        lr: Adam learning rate. Default: 3e-3.
+        what_trials: trials the what system observes per new task (also for an unseen evaluation task). Default: 30.
+        eval_trials: trials per task in the forgetting matrix. Default: 256.
+    """
+
+    def __init__(self, how: ComposedLowRankRNN | None = None, what: EpochHMM | None = None, method: str = "what_how",
+                 vanilla: VanillaRNN | None = None, freeze_reused: bool = True, lr: float = 3e-3, what_trials: int = 30,
+                 eval_trials: int = 256) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"WhatHowModule: method={method!r}; allowed: {', '.join(METHODS)}")
+        self.save_hyperparameters(ignore=["how", "what", "vanilla"], logger=False)
+        self.method = method
+        self.how = how if how is not None else ComposedLowRankRNN()
+        self.what = what if what is not None else EpochHMM()
+        self.vanilla = vanilla if vanilla is not None else VanillaRNN()
+        self.stage = -1
+        self.epoch_slot: dict[int, int] = {}  # oracle: true epoch -> component
+        self.register_buffer("frozen", torch.zeros(self.how.max_components, dtype=torch.bool))
+        self.register_buffer("out_frozen", torch.zeros((), dtype=torch.bool))
+        self.matrix: list[dict[str, Any]] = []
+        for name in ("U", "V", "b"):
+            getattr(self.how, name).register_hook(self._mask_grad)
+        self.how.W_out.register_hook(lambda g: g * (~self.out_frozen).to(g.dtype))
+
+    def _mask_grad(self, g: torch.Tensor) -> torch.Tensor:
+        keep = (~self.frozen).to(g.dtype)
+        return g * keep.view(-1, *([1] * (g.ndim - 1)))
+
+    # -- context ------------------------------------------------------------------------------------------
+    def _oracle_context(self, epochs: torch.Tensor) -> torch.Tensor:
+        for e in epochs.unique().tolist():
+            if e not in self.epoch_slot:
+                if len(self.epoch_slot) >= self.how.max_components:
+                    raise RuntimeError(f"WhatHowModule: more epochs than max_components={self.how.max_components}")
+                self.epoch_slot[e] = len(self.epoch_slot)
+        idx = epochs.clone().apply_(lambda e: self.epoch_slot[e])
+        return torch.nn.functional.one_hot(idx, self.how.max_components).float()
+
+    def context(self, batch: dict[str, Any], task: str, what: EpochHMM | None = None) -> torch.Tensor:
+        if self.method == "oracle":
+            return self._oracle_context(batch["epochs"])
+        return (what or self.what).filter(batch["inputs"], batch["theta"], task).float()
+
+    def outputs(self, batch: dict[str, Any], task: str, what: EpochHMM | None = None) -> torch.Tensor:
+        if self.method == "vanilla":
+            from lowrank_lit.data.cognitive import TASKS
+
+            onehot = torch.zeros(*batch["inputs"].shape[:2], len(TASKS))
+            onehot[..., list(TASKS).index(task)] = 1
+            return self.vanilla(torch.cat([batch["inputs"], onehot], -1))
+        return self.how(batch["inputs"], self.context(batch, task, what))
+
+    def _observe(self, what: EpochHMM, task: str, seed: int) -> None:
+        from lowrank_lit.data.cognitive import make_trials
+
+        tr = make_trials(task, self.hparams.what_trials, torch.Generator().manual_seed(seed), self._dm.noise)
+        for i in range(self.hparams.what_trials):
+            what.observe_trial(torch.cat([tr["inputs"][i], tr["targets"][i]], 1), float(tr["theta"][i]), task)
+
+    # -- stages -------------------------------------------------------------------------------------------
+    @property
+    def _dm(self) -> CognitiveStreamDataModule:
+        return self.trainer.datamodule
+
+    def _start_stage(self, stage: int) -> None:
+        task = self._dm.tasks[stage]
+        if self.method == "what_how":
+            before = self.what.vocab_size
+            self._observe(self.what, task, 7919 + stage)  # the same trials on every rank: identical vocabularies
+            used = before
+        else:
+            used = len(self.epoch_slot)
+        if self.hparams.freeze_reused and self.method != "vanilla":
+            self.frozen[:used] = True
+        self.out_frozen.fill_(stage > 0 and self.method != "vanilla")
+        self.stage = stage
+        self.trainer.strategy.setup_optimizers(self.trainer)  # fresh Adam state for the new stage
+
+    def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if int(batch["stage"]) != self.stage:
+            self._start_stage(int(batch["stage"]))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        task = self._dm.tasks[int(batch["stage"])]
+        out = self.outputs(batch, task)
+        loss = (batch["mask"] * (out - batch["targets"]) ** 2).mean()
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/stage", float(batch["stage"]))
+        self.log("train/vocab", float(self.what.vocab_size if self.method == "what_how" else len(self.epoch_slot)))
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, Any], batch_idx: int) -> None:
+        if (batch_idx + 1) % self._dm.steps_per_stage == 0:
+            self.evaluate_all(int(batch["stage"]))
+
+    @torch.no_grad()
+    def evaluate_all(self, stage: int) -> dict[str, float]:
+        """Accuracy on every evaluation task after ``stage`` (a row of the forgetting matrix)."""
+        import copy
+
+        from lowrank_lit.data.cognitive import make_trials, response_accuracy
+
+        row: dict[str, Any] = {"stage": stage, "trained": self._dm.tasks[stage],
+                               "vocab": self.what.vocab_size if self.method == "what_how" else len(self.epoch_slot)}
+        for j, task in enumerate(self._dm.eval_tasks):
+            what = None
+            if self.method == "what_how" and task not in self.what.trans:  # an unseen task: the what system
+                what = copy.deepcopy(self.what)  # observes a few of its trials (no training of the how system)
+                self._observe(what, task, 104729 + j)
+            tr = make_trials(task, self.hparams.eval_trials, torch.Generator().manual_seed(31337 + j), self._dm.noise)
+            slots = dict(self.epoch_slot)
+            acc = response_accuracy(self.outputs(tr, task, what), tr["targets"], tr["epochs"])
+            self.epoch_slot = slots  # evaluation never allocates components
+            row[task] = acc
+            self.log(f"forget/after_{stage}_{self._dm.tasks[stage]}/{task}", acc)
+        self.matrix.append(row)
+        return row
+
+    def on_train_end(self) -> None:
+        if not self.matrix or not self.trainer.is_global_zero or not self.trainer.default_root_dir:
+            return
+        from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
+
+        save_rows(self.trainer, self.matrix, "forgetting.csv")
+        tasks = self._dm.eval_tasks
+        fig, ax = new_figure(figsize=(1.4 * len(tasks) + 1.5, 0.6 * len(self.matrix) + 1.2))
+        m = [[r[t] for t in tasks] for r in self.matrix]
+        ax.imshow(m, vmin=0, vmax=1, cmap="viridis")
+        for i, r in enumerate(m):
+            for j, v in enumerate(r):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k", fontsize=8)
+        ax.set_xticks(range(len(tasks)), tasks, fontsize=8)
+        ax.set_yticks(range(len(self.matrix)), [f"after {r['trained']} (vocab {r['vocab']})" for r in self.matrix], fontsize=8)
+        ax.set_title(f"accuracy, {self.method}", fontsize=9)
+        log_image(self.trainer, "forgetting", save_figure(fig, f"{self.trainer.default_root_dir}/forgetting.png"))
+        if self.method == "what_how":
+            self._plot_epochs()
+
+    @torch.no_grad()
+    def _plot_epochs(self) -> None:
+        """``inferred_epochs.png``: per trained task, one trial's filtered posterior (image) and the true epochs."""
+        from lowrank_lit.data.cognitive import EPOCHS, make_trials
+        from lowrank_lit.report import new_figure, save_figure
+
+        tasks = [t for t in self._dm.eval_tasks if t in self.what.trans]
+        fig, axes = new_figure(len(tasks), 1, figsize=(7, 1.3 * len(tasks)), squeeze=False)
+        for ax, task in zip(axes[:, 0], tasks, strict=True):
+            tr = make_trials(task, 1, torch.Generator().manual_seed(0), self._dm.noise)
+            c = self.what.filter(tr["inputs"][0], float(tr["theta"][0]), task)[:, : self.what.vocab_size]  # (T, K)
+            ax.imshow(c.T.numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+            true = tr["epochs"][0]
+            for e in true.unique().tolist():
+                xs = (true == e).nonzero()[:, 0]
+                ax.text(float(xs.float().mean()), -0.9, EPOCHS[e], ha="center", fontsize=7, color="tab:red")
+            ax.set_ylabel(task, fontsize=7)
+            ax.set_yticks(range(self.what.vocab_size))
+        axes[-1, 0].set_xlabel("time step (grey: inferred epoch posterior; red: true epochs)")
+        save_figure(fig, f"{self.trainer.default_root_dir}/inferred_epochs.png")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["what_how"] = {"what": self.what.__dict__, "stage": self.stage, "epoch_slot": self.epoch_slot, "matrix": self.matrix}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        st = checkpoint.get("what_how")
+        if st:
+            self.what.__dict__.update(st["what"])
+            self.stage, self.epoch_slot, self.matrix = st["stage"], st["epoch_slot"], st["matrix"]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = self.vanilla.parameters() if self.method == "vanilla" else self.how.parameters()
+        return torch.optim.Adam(params, lr=self.hparams.lr)
+
+
+@register_summary("lowrank_rnn_cl", help="forgetting matrices (accuracy on every task after every stage) per method")
+def summary(roots: list[str], out: str | None = None) -> str:
+    """Markdown: per method and stage, the mean (over seeds) accuracy on every evaluation task and the vocabulary
+    size; then per method the drop of the first task from its post-training accuracy to the end and the zero-shot
+    accuracy of the never-trained tasks after the last stage (mean, min and max over seeds)."""
+    import csv
+    import statistics as st
+    from pathlib import Path
+
+    from lowrank_lit.report import find_runs, markdown_table, read_config
+
+    by: dict[str, list[list[dict[str, str]]]] = {}
+    for d in find_runs(roots, "forgetting.csv", required=True):
+        method = read_config(d)["model"]["init_args"].get("method", "what_how")
+        with open(Path(d) / "forgetting.csv") as f:
+            by.setdefault(method, []).append(list(csv.DictReader(f)))
+    order = [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS))
+    tasks = [k for k in next(iter(by.values()))[0][0] if k not in ("stage", "trained", "vocab")]
+    rows = []
+    for m in order:
+        runs = by[m]
+        for i, r in enumerate(runs[0]):
+            at = [run[i] for run in runs if len(run) > i]
+            rows.append([m, f"after {r['trained']}", len(at), "/".join(sorted({a["vocab"] for a in at})),
+                         *(f"{st.fmean(float(a[t]) for a in at):.2f}" for t in tasks)])
+    text = markdown_table(["method", "stage", "seeds", "vocabulary", *tasks], rows)
+    trained = [r["trained"] for r in next(iter(by.values()))[0]]
+    unseen = [t for t in tasks if t not in trained]
+    crit = []
+    for m in order:
+        runs = by[m]
+        drop = [float(run[0][trained[0]]) - float(run[-1][trained[0]]) for run in runs]
+        forget = [max(float(run[k][t]) - float(run[-1][t]) for k, t in enumerate(trained)) for run in runs]
+        cells = [f"{st.fmean(drop):.2f}", f"{max(forget):.2f}"]
+        for t in unseen:
+            z = [float(run[-1][t]) for run in runs]
+            cells.append(f"{st.fmean(z):.2f} ({min(z):.2f}-{max(z):.2f})")
+        crit.append([m, len(runs), *cells])
+    text += "\n\n" + markdown_table(["method", "seeds", f"{trained[0]} drop", "largest forgetting of a trained task",
+                                     *(f"{t} zero-shot" for t in unseen)], crit)
+    if out:
+        from lowrank_lit.report import new_figure, save_figure
+
+        fig, axes = new_figure(1, len(order), figsize=(3.4 * len(order), 2.6), squeeze=False)
+        for ax, m in zip(axes[0], order, strict=True):
+            runs = by[m]
+            mat = [[st.fmean(float(run[i][t]) for run in runs) for t in tasks] for i in range(len(runs[0]))]
+            ax.imshow(mat, vmin=0, vmax=1, cmap="viridis")
+            for i, row in enumerate(mat):
+                for j, v in enumerate(row):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k", fontsize=7)
+            ax.set_xticks(range(len(tasks)), tasks, fontsize=6, rotation=20)
+            ax.set_yticks(range(len(mat)), [f"after {t}" for t in trained], fontsize=6)
+            ax.set_title(m, fontsize=8)
+        save_figure(fig, out)
+    return text
