@@ -49,12 +49,15 @@ def test_freeze_reused_keeps_earlier_components_bit_identical():
         snaps = {}
 
         class Snap(pl.Callback):
+            def __init__(self, store: dict) -> None:
+                self.store = store
+
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 if batch_idx == 5:  # the first step of stage 1 (before its update)
-                    snaps["U"], snaps["Wout"] = pl_module.how.U.detach().clone(), pl_module.how.W_out.detach().clone()
+                    self.store["U"], self.store["Wout"] = pl_module.how.U.detach().clone(), pl_module.how.W_out.detach().clone()
 
         trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[Snap()], default_root_dir=None)
+                             enable_model_summary=False, callbacks=[Snap(snaps)], default_root_dir=None)
         trainer.fit(m, datamodule=dm)
         used = [m.epoch_slot[e] for e in (0, 1, 3)]  # F, S, R_pro: the components DelayPro uses
         same = torch.equal(m.how.U[used], snaps["U"][used]) and torch.equal(m.how.W_out, snaps["Wout"])
