@@ -93,6 +93,12 @@ def _safe_meta(root: Path) -> list[float]:
     return _column(_only(root, "metrics.csv"), "train/adapted_J_r")  # mean J_r after the safe step, per meta-step
 
 
+def _lrc(root: Path) -> list[float]:
+    assert run_cli("fit", "--config", CONFIGS / "lowrank_rnn_cl/what_how.yaml", *FIT3, "--data.init_args.batch_size=8",
+                   "--model.init_args.what_trials=12", run_root=root) == 0
+    return _train_losses(root)
+
+
 def _shallow(root: Path) -> list[float]:
     assert run_cli("test", "--config", CONFIGS / "shallow_diffuse/molrg_shallow_diffuse.yaml", "--data.init_args.n=3",
                    "--model.init_args.attacks=[clean]", "--model.init_args.rank_ts=[300]", "--trainer.enable_progress_bar=false",
@@ -123,6 +129,7 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float]]] = {
     "masked_block_icl": (_fit("masked_block_icl/unconstrained.yaml"), [0.19583538174629211, 0.1905636042356491, 0.16884338855743408]),
     "skrull": (_fit("skrull/sft_skrull.yaml", "--data.init_args.num_sequences=96"), [4.998631000518799, 4.642714500427246, 4.273272514343262]),
     "gaze_3dpe": (_gaze, [3.3849434852600098, 3.7552366256713867, 3.1812796592712402]),
+    "lowrank_rnn_cl": (_lrc, [0.8799102902412415, 0.807077169418335, 0.5698960423469543]),
     "safe_meta_rl": (_safe_meta, [0.19899842143058777, 0.3053411841392517, 0.3575310707092285]),
     "shallow_diffuse": (_shallow, [-17.882242553018262, -17.87409397155512, -17.92883842804052]),
     "trust": (_trust, [2.260313034057617, 2.2700436115264893, 2.2647626399993896]),

@@ -506,6 +506,9 @@ class WhatHowModule(pl.LightningModule):
         tr = make_trials(task, self.hparams.what_trials, torch.Generator().manual_seed(seed), self._dm.noise)
         for i in range(self.hparams.what_trials):
             what.observe_trial(torch.cat([tr["inputs"][i], tr["targets"][i]], 1), float(tr["theta"][i]), task)
+        if task not in what.trans:
+            raise RuntimeError(f"WhatHowModule: after what_trials={self.hparams.what_trials} trials of {task!r} the what "
+                               "system still waits for new epochs to open (each needs min_trials trials); raise what_trials")
 
     # -- stages -------------------------------------------------------------------------------------------
     @property
