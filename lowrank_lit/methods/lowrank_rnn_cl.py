@@ -626,8 +626,8 @@ class WhatHowModule(pl.LightningModule):
 
 @register_summary("lowrank_rnn_cl", help="forgetting matrices (accuracy on every task after every stage) per method")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Markdown: per method and stage, the mean (over seeds) accuracy on every evaluation task and the vocabulary
-    size; then per method the drop of the first task from its post-training accuracy to the end and the zero-shot
+    """Markdown: per method (and W_0 gain) and stage, the mean (over seeds) accuracy on every evaluation task and
+    the vocabulary size; then per method the drop of the first task from its post-training accuracy to the end and the zero-shot
     accuracy of the never-trained tasks after the last stage (mean, min and max over seeds)."""
     import csv
     import statistics as st
@@ -637,10 +637,13 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
     by: dict[str, list[list[dict[str, str]]]] = {}
     for d in find_runs(roots, "forgetting.csv", required=True):
-        method = read_config(d)["model"]["init_args"].get("method", "what_how")
+        init = read_config(d)["model"]["init_args"]
+        method = init.get("method", "what_how")
+        if method != "vanilla":
+            method += f" (W_0 gain {((init.get('how') or {}).get('init_args') or {}).get('w0_gain', 0.8):g})"
         with open(Path(d) / "forgetting.csv") as f:
             by.setdefault(method, []).append(list(csv.DictReader(f)))
-    order = [m for m in METHODS if m in by] + sorted(set(by) - set(METHODS))
+    order = sorted(by, key=lambda m: (METHODS.index(m.split(" ")[0]) if m.split(" ")[0] in METHODS else len(METHODS), m))
     tasks = [k for k in next(iter(by.values()))[0][0] if k not in ("stage", "trained", "vocab")]
     rows = []
     for m in order:
@@ -649,7 +652,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
             at = [run[i] for run in runs if len(run) > i]
             rows.append([m, f"after {r['trained']}", len(at), "/".join(sorted({a["vocab"] for a in at})),
                          *(f"{st.fmean(float(a[t]) for a in at):.2f}" for t in tasks)])
-    text = markdown_table(["method", "stage", "seeds", "vocabulary", *tasks], rows)
+    text = markdown_table(["method", "stage", "runs", "vocabulary", *tasks], rows)
     trained = [r["trained"] for r in next(iter(by.values()))[0]]
     unseen = [t for t in tasks if t not in trained]
     crit = []
@@ -662,7 +665,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
             z = [float(run[-1][t]) for run in runs]
             cells.append(f"{st.fmean(z):.2f} ({min(z):.2f}-{max(z):.2f})")
         crit.append([m, len(runs), *cells])
-    text += "\n\n" + markdown_table(["method", "seeds", f"{trained[0]} drop", "largest forgetting of a trained task",
+    text += "\n\n" + markdown_table(["method", "runs", f"{trained[0]} drop", "largest forgetting of a trained task",
                                      *(f"{t} zero-shot" for t in unseen)], crit)
     if out:
         from lowrank_lit.report import new_figure, save_figure
