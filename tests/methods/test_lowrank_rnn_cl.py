@@ -34,7 +34,7 @@ def test_config_runs_and_writes_the_forgetting_matrix(name, tmp_path):
     assert (run / "inferred_epochs.png").is_file() == (name == "what_how")
 
 
-def test_freeze_reused_keeps_earlier_components_bit_identical():
+def test_freeze_reused_keeps_earlier_components_bit_identical(tmp_path):
     """Train stage 0 and 1 of the oracle stream by hand: after stage 1 the components and W_out used by stage 0 are
     bit-identical and stage 0's outputs unchanged; without freezing they move."""
     import lightning.pytorch as pl
@@ -57,7 +57,7 @@ def test_freeze_reused_keeps_earlier_components_bit_identical():
                     self.store["U"], self.store["Wout"] = pl_module.how.U.detach().clone(), pl_module.how.W_out.detach().clone()
 
         trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, callbacks=[Snap(snaps)], default_root_dir=None)
+                             enable_model_summary=False, callbacks=[Snap(snaps)], default_root_dir=tmp_path)
         trainer.fit(m, datamodule=dm)
         used = [m.epoch_slot[e] for e in (0, 1, 3)]  # F, S, R_pro: the components DelayPro uses
         same = torch.equal(m.how.U[used], snaps["U"][used]) and torch.equal(m.how.W_out, snaps["Wout"])
