@@ -80,7 +80,7 @@ def test_predictor_is_permutation_invariant_and_checks_landmarks():
     assert out.shape == (5, 3) and torch.allclose(out.norm(dim=1), torch.ones(5), atol=1e-6)
     perm = torch.randperm(21)
     assert torch.allclose(pred(gamma, K[:, perm]), out, atol=1e-6)
-    with pytest.raises(ValueError, match="20 landmarks; allowed: n_landmarks=21"):
+    with pytest.raises(ValueError, match="landmarks of shape \\(5, 20, 3\\); allowed: \\(B, n_landmarks=21, 3\\)"):
         pred(gamma, K[:, :20])
 
 
