@@ -6,7 +6,7 @@ vocabulary of task epochs online, one trial at a time, and infers the current ep
 system (:class:`ComposedLowRankRNN`) runs a recurrence composed from per-epoch low-rank components weighted by
 that context.
 
-What (forms inferred, our spec's choices):
+What (forms inferred; our choices):
 
 * emission ``q_t | z = k, x ~ N(A_k phi(x), diag sigma_k^2)``, ``phi(x) = [1, cos x, sin x]``, ``q_t = [s_t, y_t]``;
   ``A_k`` by weighted least squares on exponentially forgotten (rho) sufficient statistics, ``sigma_k^2`` from the

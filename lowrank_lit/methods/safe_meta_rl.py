@@ -1,8 +1,8 @@
 """Safe meta-RL with a one-step closed-form safe adaptation and a Hessian-free meta-gradient.
 
 "Efficient Safe Meta-Reinforcement Learning: Provable Near-Optimality and Anytime Safety" (NeurIPS 2025). No
-public code; the paper's equations beyond the abstract were not available, so the forms below are the
-reconstruction our spec gives (inferred where marked).
+public code; the paper's equations beyond the abstract were not available, so the forms below are a
+reconstruction (inferred where marked).
 
 Adaptation step from an anchor policy ``pi0`` on a task (inferred form)::
 
