@@ -17,22 +17,12 @@ nn.Linear; the uncached row shows decode-on-every-call. Medians of --repeats run
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_time
 from torch import nn
 
 from lowrank_lit.methods.glvq import quantize_linear, rtn_quantize
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -56,8 +46,8 @@ def main() -> None:
         q._cache = None
         q.weight_hat()
 
-    t_glvq = _median_time(glvq_decode, args.repeats)
-    t_ref = _median_time(q.weight_hat_reference, max(1, args.repeats // 4))
+    t_glvq = median_time(glvq_decode, args.repeats)
+    t_ref = median_time(q.weight_hat_reference, max(1, args.repeats // 4))
     torch.testing.assert_close(q.weight_hat().double(), q.weight_hat_reference(), rtol=1e-5, atol=1e-6)
     # RTN's stored form: uint8 codes per weight, lo and step per (row, group); dequantize = lo + step * q
     m, k = W.shape
@@ -65,18 +55,18 @@ def main() -> None:
     lo, hi = Wg.amin(dim=2, keepdim=True), Wg.amax(dim=2, keepdim=True)
     step = (hi - lo).clamp_min(1e-12) / (2**args.bits - 1)
     codes = torch.round((Wg - lo) / step).clamp(0, 2**args.bits - 1).to(torch.uint8)
-    t_deq = _median_time(lambda: (codes.to(torch.float32) * step + lo).reshape(m, k), args.repeats)
-    t_rtn = _median_time(lambda: rtn_quantize(W, args.bits, args.group_size), args.repeats)
+    t_deq = median_time(lambda: (codes.to(torch.float32) * step + lo).reshape(m, k), args.repeats)
+    t_rtn = median_time(lambda: rtn_quantize(W, args.bits, args.group_size), args.repeats)
     x = torch.randn(args.batch, args.inp)
     q.weight_hat()
-    t_dense = _median_time(lambda: lin(x), args.repeats * 5)
-    t_cached = _median_time(lambda: q(x), args.repeats * 5)
+    t_dense = median_time(lambda: lin(x), args.repeats * 5)
+    t_cached = median_time(lambda: q(x), args.repeats * 5)
 
     def uncached() -> None:
         q._cache = None
         q(x)
 
-    t_uncached = _median_time(uncached, args.repeats)
+    t_uncached = median_time(uncached, args.repeats)
     print(f"layer {args.out}x{args.inp}, group {args.group_size}, d={args.dim}, {args.bits} bits")
     print("| decode path | time | M weights/s | / RTN quantize + dequantize | / RTN dequantize |")
     print("|---|---|---|---|---|")

@@ -12,23 +12,12 @@ Per grid size (S = n^2 states), from the same feasible logits, the median over `
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_time
 
 from lowrank_lit.envs import SafeGridNav
 from lowrank_lit.methods.safe_meta_rl import hessian_free_meta_grad, second_order_meta_grad
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -48,9 +37,9 @@ def main() -> None:
             pi[s, 1 if i == 0 and j < n - 1 else 2] = 1
         phi = (0.9 * pi + 0.1 / env.A).log()
         tasks = list(range(min(args.tasks, env.num_tasks)))
-        hf = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "safe"), args.repeats)
-        hp = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "pg_lagrange"), args.repeats)
-        so = median_time(lambda e=env, p=phi, t=tasks: second_order_meta_grad(e, p, t, 1.0, 1.0), args.repeats)
+        hf = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "safe"), args.repeats, warmup=1)
+        hp = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "pg_lagrange"), args.repeats, warmup=1)
+        so = median_time(lambda e=env, p=phi, t=tasks: second_order_meta_grad(e, p, t, 1.0, 1.0), args.repeats, warmup=1)
         print(f"| {n} x {n} | {env.S} | {1e3 * hf:.1f} | {1e3 * hp:.1f} | {1e3 * so:.1f} | {hf / so:.2f} | {hp / so:.2f} |")
 
 

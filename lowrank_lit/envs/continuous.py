@@ -48,6 +48,11 @@ class ContinuousFamily:
     obs_dim = act_dim = horizon = 0
     gamma = limit = 0.0
 
+    def __init__(self, horizon: int, gamma: float, limit: float) -> None:
+        if not 0 <= gamma < 1:
+            raise ValueError(f"{type(self).__name__}: gamma={gamma!r}; allowed: [0, 1)")
+        self.horizon, self.gamma, self.limit = horizon, gamma, limit
+
     @property
     def num_tasks(self) -> int:
         raise NotImplementedError
@@ -98,12 +103,11 @@ class PointNav2D(ContinuousFamily):
                  limit: float = 1.0) -> None:
         if num_goals < 2:
             raise ValueError(f"PointNav2D: num_goals={num_goals!r}; allowed: >= 2")
-        if not 0 <= gamma < 1:
-            raise ValueError(f"PointNav2D: gamma={gamma!r}; allowed: [0, 1)")
+        super().__init__(horizon, gamma, limit)
         ang = torch.arange(num_goals) * 2 * math.pi / num_goals
         self.goals = torch.stack([ang.cos(), ang.sin()], 1)  # (G, 2)
         self.hazards = 0.5 * self.goals[::2]  # (G/2, 2)
-        self.hazard_radius, self.horizon, self.gamma, self.limit = hazard_radius, horizon, gamma, limit
+        self.hazard_radius = hazard_radius
 
     @property
     def num_tasks(self) -> int:
@@ -134,10 +138,9 @@ class VelocityCart(ContinuousFamily):
 
     def __init__(self, targets: list[float] | None = None, v_max: float = 1.0, horizon: int = 40, gamma: float = 0.95,
                  limit: float = 2.0) -> None:
-        if not 0 <= gamma < 1:
-            raise ValueError(f"VelocityCart: gamma={gamma!r}; allowed: [0, 1)")
+        super().__init__(horizon, gamma, limit)
         self.targets = torch.tensor(targets if targets is not None else torch.linspace(-1.6, 1.6, 8).tolist())
-        self.v_max, self.horizon, self.gamma, self.limit = v_max, horizon, gamma, limit
+        self.v_max = v_max
 
     @property
     def num_tasks(self) -> int:
@@ -174,8 +177,9 @@ class HalfCheetahVelocity(ContinuousFamily):
             import mujoco  # noqa: F401
         except ImportError as err:
             raise ImportError("HalfCheetahVelocity needs gymnasium and mujoco (pip install 'gymnasium[mujoco]')") from err
+        super().__init__(horizon, gamma, limit)
         self.targets = list(targets) if targets is not None else [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
-        self.v_max, self.horizon, self.gamma, self.limit = v_max, horizon, gamma, limit
+        self.v_max = v_max
 
     @property
     def num_tasks(self) -> int:
@@ -184,8 +188,7 @@ class HalfCheetahVelocity(ContinuousFamily):
     def rollout(self, policy: Policy, tasks: torch.Tensor, n_envs: int, generator: torch.Generator) -> Rollout:
         import gymnasium as gym
 
-        if tasks.numel() == 0 or int(tasks.min()) < 0 or int(tasks.max()) >= self.num_tasks:
-            raise ValueError(f"HalfCheetahVelocity: tasks {tasks.tolist()}; allowed: 0..{self.num_tasks - 1}")
+        self._check_tasks(tasks)
         out: list[list[torch.Tensor]] = [[], [], [], []]
         for t in tasks.tolist():
             envs = gym.vector.SyncVectorEnv([lambda: gym.make("HalfCheetah-v5") for _ in range(n_envs)])

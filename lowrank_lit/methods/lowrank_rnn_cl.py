@@ -312,9 +312,7 @@ class EpochHMM:
             self.pending.setdefault(task, []).append((q[seg[0]: seg[1]], x))
             if len(self.pending[task]) < self.min_trials:
                 return []
-            k = self._new_epoch(self.pending.pop(task))
-            self.pending.pop(task, None)
-            del k
+            self._new_epoch(self.pending.pop(task))
             return self.observe_trial(q, x, task)
         if self.K == 0:
             return []

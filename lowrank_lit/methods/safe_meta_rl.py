@@ -171,8 +171,12 @@ def tabular_policy_gradient(env: Any, pi: torch.Tensor, r: torch.Tensor) -> torc
     from lowrank_lit.envs.gridnav import evaluate, state_occupancy
 
     ev = evaluate(env.P, pi, r, env.mu0, env.gamma)
-    occ = state_occupancy(env.P, pi, env.mu0, env.gamma)
-    return occ[:, None] / (1 - env.gamma) * pi * ev.A
+    return _softmax_gradient(state_occupancy(env.P, pi, env.mu0, env.gamma), pi, ev.A, env.gamma)
+
+
+def _softmax_gradient(occ: torch.Tensor, pi: torch.Tensor, adv: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``d(s) / (1 - gamma) pi(a|s) A(s, a)`` ``(S, A)`` from the occupancy ``(S,)``, policy and advantages."""
+    return occ[:, None] / (1 - gamma) * pi * adv
 
 
 def adapt_tabular(env: Any, pi: torch.Tensor, task: int, eta: float, kappa: float, mode: str = "safe",
@@ -209,7 +213,7 @@ def hessian_free_meta_grad(env: Any, phi: torch.Tensor, tasks: list[int], eta: f
             pi1, nu = pi, float("nan")
             stats["infeasible"] += 1
         er, _, occ = env.evaluate(pi1, t)
-        grad += occ[:, None] / (1 - env.gamma) * pi1 * er.A  # = tabular_policy_gradient(env, pi1, r), one solve less
+        grad += _softmax_gradient(occ, pi1, er.A, env.gamma)  # = tabular_policy_gradient(env, pi1, r), reusing er
         stats["adapted_J_r"] += float(er.J) / len(tasks)
         stats["nu"] += (0.0 if math.isnan(nu) else nu) / len(tasks)
     return grad / len(tasks), stats
@@ -316,8 +320,52 @@ class TaskDataModule(pl.LightningDataModule):
         return self.val_dataloader()
 
 
+class _MetaTestMixin:
+    """Meta-test shared by the tabular and neural modules: ``hparams.adapt_steps`` successive adaptation steps from
+    the meta-policy on each held-out task, one row per (task, step) with J_r, J_c, nu and violation (step 0 = the
+    meta-policy); stops on a task whose anchor is already infeasible. Subclasses give ``_measure(policy, task) ->
+    (J_r, J_c, data)``, ``_step(policy, task, data) -> (policy, nu)``, ``policy`` and ``_violation_tol``."""
+
+    _violation_tol = 0.0
+
+    def meta_test(self, tasks: list[int]) -> list[dict[str, Any]]:
+        rows = []
+        steps = self.hparams.adapt_steps
+        for t in tasks:
+            policy = self.policy
+            for k in range(steps + 1):
+                jr, jc, data = self._measure(policy, t)
+                rows.append({"task": t, "step": k, "J_r": jr, "J_c": jc,
+                             "violation": int(jc > self.env.limit + self._violation_tol), "nu": float("nan")})
+                if k == steps:
+                    break
+                try:
+                    policy, rows[-1]["nu"] = self._step(policy, t, data)
+                except InfeasibleAnchorError:  # the anchor violates the limit: no safe step from it
+                    break
+        return rows
+
+    def _eval(self, batch: torch.Tensor, stage: str) -> None:
+        rows = self.meta_test([int(t) for t in batch])
+        for r in rows:
+            r["stage"] = stage
+        self.adapt_rows = rows
+        finals = [max((r for r in rows if r["task"] == t), key=lambda r: r["step"])["J_r"] for t in {r["task"] for r in rows}]
+        self.log(f"{stage}/stopped", float(len(batch) * (self.hparams.adapt_steps + 1) - len(rows)))
+        self.log(f"{stage}/violations", float(sum(r["violation"] for r in rows if r["step"] > 0)))
+        self.log(f"{stage}/J_c_max", max(r["J_c"] for r in rows))
+        self.log(f"{stage}/J_r_final", sum(finals) / max(1, len(finals)))
+        self.log(f"{stage}/J_r_meta", sum(r["J_r"] for r in rows if r["step"] == 0) / len(batch))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._eval(batch, "val")
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._eval(batch, "test")
+
+
 @register_method("safe_meta_rl", kind="Module", paper=PAPER)
-class SafeMetaRLModule(pl.LightningModule):
+class SafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
     """Safe meta-training of tabular softmax logits on a :class:`lowrank_lit.envs.SafeGridNav` family, and
     meta-testing by ``adapt_steps`` successive adaptation steps on each held-out task (manual optimisation).
 
@@ -365,7 +413,7 @@ class SafeMetaRLModule(pl.LightningModule):
         self.save_hyperparameters(ignore=["env"], logger=False)
         self.automatic_optimization = False
         self.env = env
-        self.eta, self.kappa, self.adapt, self.meta_gradient, self.adapt_steps = eta, kappa, adapt, meta_gradient, adapt_steps
+        self.eta, self.kappa, self.adapt, self.meta_gradient = eta, kappa, adapt, meta_gradient
         self.dual_lr, self.pg_lambda, self.pg_alpha = dual_lr, pg_lambda, pg_alpha
         self.phi = torch.nn.Parameter(torch.zeros(env.S, env.A, dtype=env.dtype))  # (S, A) logits: uniform start
         self.register_buffer("lam", torch.zeros((), dtype=env.dtype))
@@ -407,42 +455,14 @@ class SafeMetaRLModule(pl.LightningModule):
                        "train/infeasible": stats["infeasible"], "train/nu": stats["nu"],
                        "train/step_s": time.perf_counter() - t0}, prog_bar=False)
 
-    def meta_test(self, tasks: list[int]) -> list[dict[str, Any]]:
-        """``adapt_steps`` successive steps from the meta-policy on each task: one row per (task, step) with
-        J_r, J_c, nu, violation (step 0 = the meta-policy)."""
-        rows = []
-        for t in tasks:
-            pi = self.policy
-            for k in range(self.adapt_steps + 1):
-                er, ec, _ = self.env.evaluate(pi, t)
-                rows.append({"task": t, "step": k, "J_r": float(er.J), "J_c": float(ec.J), "violation": int(float(ec.J) > self.env.limit + 1e-9), "nu": float("nan")})
-                if k == self.adapt_steps:
-                    break
-                try:
-                    pi, nu = self.adapt_step(pi, t)
-                except InfeasibleAnchorError:  # the anchor violates the limit: no safe step from it
-                    break
-                rows[-1]["nu"] = nu
-        return rows
+    _violation_tol = 1e-9  # exact evaluation: only round-off is forgiven
 
-    def _eval(self, batch: torch.Tensor, stage: str) -> None:
-        rows = self.meta_test([int(t) for t in batch])
-        for r in rows:
-            r["stage"] = stage
-        self.adapt_rows = rows
-        steps = [r for r in rows if r["step"] > 0]
-        finals = [max((r for r in rows if r["task"] == t), key=lambda r: r["step"])["J_r"] for t in {r["task"] for r in rows}]
-        self.log(f"{stage}/stopped", float(len(batch) * (self.adapt_steps + 1) - len(rows)))
-        self.log(f"{stage}/violations", float(sum(r["violation"] for r in steps)))
-        self.log(f"{stage}/J_c_max", max(r["J_c"] for r in rows))
-        self.log(f"{stage}/J_r_final", sum(finals) / max(1, len(finals)))
-        self.log(f"{stage}/J_r_meta", sum(r["J_r"] for r in rows if r["step"] == 0) / len(batch))
+    def _measure(self, pi: torch.Tensor, task: int) -> tuple[float, float, None]:
+        er, ec, _ = self.env.evaluate(pi, task)
+        return float(er.J), float(ec.J), None
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self._eval(batch, "val")
-
-    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self._eval(batch, "test")
+    def _step(self, pi: torch.Tensor, task: int, data: None) -> tuple[torch.Tensor, float]:
+        return self.adapt_step(pi, task)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam([self.phi], lr=self.hparams.meta_lr)
@@ -571,7 +591,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
                            "meta-step (ms)"], table)
 
 
-class NeuralSafeMetaRLModule(pl.LightningModule):
+class NeuralSafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
     """Safe meta-RL with a Gaussian policy network on a continuous task family (:mod:`lowrank_lit.envs.continuous`).
 
     Rollouts run inside the module (manual optimisation). Adaptation (inferred, module docstring): GAE(lambda)
@@ -699,40 +719,12 @@ class NeuralSafeMetaRLModule(pl.LightningModule):
         self.log_dict({"train/J_r": float(b["J_r"].mean()), "train/meta_J_c": float(b["J_c"][worst]), "train/lambda": float(self.lam),
                        "train/infeasible": float(infeasible), "train/step_s": time.perf_counter() - t0})
 
-    def meta_test(self, tasks: list[int]) -> list[dict[str, Any]]:
-        rows = []
-        for t in tasks:
-            policy = self.policy
-            for k in range(self.hparams.adapt_steps + 1):
-                b = self._rollout(policy, [t])
-                jc = float(b["J_c"][0])
-                rows.append({"task": t, "step": k, "J_r": float(b["J_r"][0]), "J_c": jc,
-                             "violation": int(jc > self.env.limit), "nu": float("nan")})
-                if k == self.hparams.adapt_steps:
-                    break
-                try:
-                    policy, rows[-1]["nu"] = self.adapt_step(policy, b, 0)
-                except InfeasibleAnchorError:
-                    break
-        return rows
+    def _measure(self, policy: GaussianPolicy, task: int) -> tuple[float, float, dict[str, torch.Tensor]]:
+        b = self._rollout(policy, [task])  # the rollouts estimate J and feed the next step
+        return float(b["J_r"][0]), float(b["J_c"][0]), b
 
-    def _eval(self, batch: torch.Tensor, stage: str) -> None:
-        rows = self.meta_test([int(t) for t in batch])
-        for r in rows:
-            r["stage"] = stage
-        self.adapt_rows = rows
-        finals = [max((r for r in rows if r["task"] == t), key=lambda r: r["step"])["J_r"] for t in {r["task"] for r in rows}]
-        self.log(f"{stage}/stopped", float(len(batch) * (self.hparams.adapt_steps + 1) - len(rows)))
-        self.log(f"{stage}/violations", float(sum(r["violation"] for r in rows if r["step"] > 0)))
-        self.log(f"{stage}/J_c_max", max(r["J_c"] for r in rows))
-        self.log(f"{stage}/J_r_final", sum(finals) / max(1, len(finals)))
-        self.log(f"{stage}/J_r_meta", sum(r["J_r"] for r in rows if r["step"] == 0) / len(batch))
-
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self._eval(batch, "val")
-
-    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self._eval(batch, "test")
+    def _step(self, policy: GaussianPolicy, task: int, data: dict[str, torch.Tensor]) -> tuple[GaussianPolicy, float]:
+        return self.adapt_step(policy, data, 0)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.policy.parameters(), lr=self.hparams.meta_lr)
