@@ -152,9 +152,15 @@ def test_first_logged_values_are_pinned(slug, tmp_path, monkeypatch):
     assert got == pytest.approx(expected, rel=1e-4), f"{slug}: {got}"
 
 
-if __name__ == "__main__":  # print the values to pin
+if __name__ == "__main__":  # print the values to pin (and write them as JSON when a path is given)
+    import json
+    import sys
     import tempfile
 
+    measured = {}
     for slug, (run, _) in sorted(PINNED.items()):
         with tempfile.TemporaryDirectory() as tmp:
-            print(f'"{slug}": {run(Path(tmp) / "runs")},')
+            measured[slug] = run(Path(tmp) / "runs")
+            print(f'"{slug}": {measured[slug]},', flush=True)
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(json.dumps(measured, indent=1))

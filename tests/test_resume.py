@@ -43,9 +43,10 @@ def _slow_batches(tmp_path: Path) -> Path:
     return frag
 
 
-def _lowrank(args: list[str], run_root: Path, signal_at: str | None = None, sig: int = signal.SIGINT):
+def _lowrank(args: list[str], run_root: Path, signal_at: str | None = None, sig: int = signal.SIGINT,
+             env: dict[str, str] | None = None):
     """Run ``lowrank`` as a subprocess; send ``sig`` when a stdout line starts with ``signal_at``."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **(env or {})}
     cmd = [sys.executable, "-m", "lowrank_lit", *args, "--run_root", str(run_root)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     sent = False
@@ -105,6 +106,51 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(sig, tmp_path, refe
     for key, value in ref_state["weights"].items():
         assert torch.equal(final["weights"][key], value), key
     assert re.search(r"test/acc (\S+)", out).group(1) == ref_acc
+
+
+def _slurm_env(tmp_path: Path) -> dict[str, str]:
+    """A one-task SLURM batch job (Lightning detects SLURM) with a fake ``scontrol`` that records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.calls'}\n")
+    fake.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "777", "SLURM_JOB_NAME": "train",
+            "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+            "SLURM_NODELIST": "localhost"}
+
+
+def test_slurm_requeue_resumes_the_newest_checkpoint_and_tests_the_final_weights(tmp_path, reference):
+    """SIGUSR1 (SLURM's warning before the time limit) stops at a batch boundary, writes last.ckpt and requeues;
+    the requeued command resumes from the newest checkpoint of the run, not an older hpc_ckpt_*, and the test
+    after fit sees the final weights (the test/acc of an uninterrupted run)."""
+    ref_state, ref_acc = reference
+    env = _slurm_env(tmp_path)
+    args = ["fit", "--config", str(MLP_CONFIG), "--config", str(_step_lines(tmp_path)),
+            "--config", str(_slow_batches(tmp_path)), *EPOCHS]
+    root = tmp_path / "runs"
+    rc, out, err = _lowrank(args, root, signal_at="epoch 2/5  batch 7/20", sig=signal.SIGUSR1, env=env)
+    assert rc == 128 + signal.SIGUSR1, err
+    assert (tmp_path / "scontrol.calls").read_text().split() == ["requeue", "777"]
+    run = root / "baseline" / "mlp_digits" / "777"
+    first = _state(run)
+    assert 20 < first["step"] < 40
+    # an older checkpoint beside it, as Lightning's own handler writes before training starts
+    (run / "hpc_ckpt_1.ckpt").write_bytes((run / "checkpoints" / "last.ckpt").read_bytes())
+    rc, out, err = _lowrank(args, root, signal_at="epoch 4/5  batch 7/20", sig=signal.SIGTERM, env=env)  # requeued
+    assert rc == 128 + signal.SIGTERM, err
+    second = _state(run)
+    assert second["step"] > 60
+    rc, out, err = _lowrank(args, root, env=env)  # requeued again: runs to the end
+    assert rc == 0, err
+    assert f"resuming from {run / 'checkpoints' / 'last.ckpt'}" in out
+    assert f"resumed at epoch 3, step {second['step']}" in out
+    final = _state(run)
+    assert final["step"] == ref_state["step"]
+    for key, value in ref_state["weights"].items():
+        assert torch.equal(final["weights"][key], value), key
+    assert re.search(r"test/acc (\S+)", out).group(1) == ref_acc
+    assert sorted(p.name for p in run.glob("metrics*.csv")) == ["metrics.1.csv", "metrics.2.csv", "metrics.csv"]
 
 
 def test_checkpoint_preset_keeps_last_at_every_epoch(tmp_path):

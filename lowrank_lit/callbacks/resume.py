@@ -9,6 +9,19 @@
   batch boundary and :class:`RunInterrupted` ends the run. A second Ctrl+C aborts at once
   (nothing is written; the previous ``last.ckpt`` stays).
 
+Under DDP the ranks agree at every batch end (one all-reduce of a small integer) whether any rank
+was signalled, so a signal to one rank or to all of them stops every rank after the same batch,
+and the checkpoint is written once. Under SLURM with auto-requeue, SIGUSR1 (``--signal=SIGUSR1@90``)
+stops the run the same way and then asks SLURM to requeue the job (``scontrol requeue``); the
+requeued job resumes from ``last.ckpt``. Lightning's own SIGUSR1 handler (which writes
+``hpc_ckpt_*.ckpt`` inside the signal handler, in the middle of a step) is replaced once training
+starts, and its SIGTERM handler (which issues a collective inside the signal handler and can leave
+rank 0 waiting in a broadcast forever) is not called.
+
+The file is written beside its final name and renamed over it after an fsync, so a crash or a full
+disk in the middle of a save leaves the previous ``last.ckpt`` intact (a rename within one folder
+is atomic; a temporary file elsewhere would be copied across filesystems).
+
 Together with :class:`~lowrank_lit.callbacks.RNGStateCheckpoint` (random states) and
 :class:`~lowrank_lit.data.loader.ResumableDataLoader` (position in the epoch's shuffle),
 ``lowrank fit ... --run_id <id> --ckpt_path last`` continues such a run batch for batch: a
@@ -25,9 +38,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -36,6 +51,27 @@ __all__ = ["ResumeCheckpoint", "RunInterrupted", "STOP_SIGNALS"]
 
 #: signals that stop a run at the next batch boundary with a checkpoint
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+#: what ranks exchange at a batch end: 0 = no signal; the largest code wins (SIGUSR1 also requeues)
+_CODES = {"SIGINT": 1, "SIGTERM": 2, "SIGUSR1": 3}
+_NAMES = {code: name for name, code in _CODES.items()}
+
+
+def _slurm_requeue_job() -> str | None:
+    """The job id ``scontrol requeue`` takes when this process runs under SLURM with auto-requeue, else None."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return None
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class RunInterrupted(SIGTERMException):
@@ -93,6 +129,7 @@ class ResumeCheckpoint(Checkpoint):
         self.every_n_train_steps = every_n_train_steps
         self.stop_signals = tuple(stop_signals)
         self._received: str | None = None
+        self._armed = False  # True while training runs (between on_train_start and the end of fit)
         self._previous: dict[int, Any] = {}
         self._last_saved: tuple[int, int, bool] | None = None  # (epoch, global_step, at epoch end)
 
@@ -121,26 +158,70 @@ class ResumeCheckpoint(Checkpoint):
             return None
         key = (trainer.current_epoch, trainer.global_step, at_epoch_end)
         if self._last_saved != key:
-            trainer.save_checkpoint(self.last_path)
+            self._write(trainer, self.last_path)
             self._last_saved = key
         return self.last_path
 
+    @staticmethod
+    def _write(trainer: Trainer, path: str) -> None:
+        """``trainer.save_checkpoint`` (collective under DDP) into a file beside ``path``, fsync, rename over it."""
+        if "://" in path:  # a remote filesystem: its own write semantics
+            trainer.save_checkpoint(path)
+            return
+        folder, name = os.path.split(path)
+        tmp = os.path.join(folder, f".{name}.partial")
+        trainer.save_checkpoint(tmp)
+        if trainer.is_global_zero:
+            _fsync(tmp)
+            os.replace(tmp, path)
+            try:
+                _fsync(folder)
+            except OSError:  # some filesystems do not fsync folders
+                pass
+
+    def _agreed_signal(self, trainer: Trainer) -> str | None:
+        """The stop signal every rank acts on: this rank's, or under DDP the strongest any rank received."""
+        code = _CODES.get(self._received or "", 0)
+        if trainer.world_size > 1:
+            flag = torch.tensor([code], dtype=torch.int32, device=trainer.strategy.root_device)
+            code = int(trainer.strategy.reduce(flag, reduce_op="max").item())
+        return _NAMES.get(code)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._received is not None:
-            self._stop(trainer, at_epoch_end=False)
+        if not self._armed:
+            return
+        name = self._agreed_signal(trainer)
+        if name is not None:
+            self._stop(trainer, name, at_epoch_end=False)
         n = self.every_n_train_steps
         if n and trainer.global_step > 0 and trainer.global_step % n == 0:
             self._save(trainer, at_epoch_end=False)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._save(trainer, at_epoch_end=True)
-        if self._received is not None:
-            self._stop(trainer, at_epoch_end=True)
+        name = self._agreed_signal(trainer) if self._armed else None
+        if name is not None:
+            self._stop(trainer, name, at_epoch_end=True)
 
-    def _stop(self, trainer: Trainer, at_epoch_end: bool) -> None:
-        name, self._received = self._received, None
+    def _stop(self, trainer: Trainer, name: str, at_epoch_end: bool) -> None:
+        self._received = None
         path = self._save(trainer, at_epoch_end)
-        raise RunInterrupted(name or "SIGTERM", path, trainer.current_epoch, trainer.global_step)
+        if name == "SIGUSR1" and trainer.is_global_zero:
+            self._requeue()
+        raise RunInterrupted(name, path, trainer.current_epoch, trainer.global_step)
+
+    @staticmethod
+    def _requeue() -> None:
+        """Under SLURM, ask for this job to be queued again (what Lightning's auto-requeue does, after our save)."""
+        job = _slurm_requeue_job()
+        if job is None:
+            return
+        try:
+            code = subprocess.call(["scontrol", "requeue", job])
+        except FileNotFoundError:
+            code = None
+        msg = "requeued" if code == 0 else f"could not requeue (scontrol exit {code})"
+        print(f"SLURM job {job}: {msg}", file=sys.stderr, flush=True)
 
     @staticmethod
     def _attach_loaders(trainer: Trainer) -> None:
@@ -162,9 +243,10 @@ class ResumeCheckpoint(Checkpoint):
     # ------------------------------------------------------------------ signals
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach_loaders(trainer)
-        # after Lightning's own handlers (registered when the run starts), which ours call in turn
+        # after Lightning's own handlers (registered when the run starts), which ours replace
         if trainer.fast_dev_run:
             return
+        self._armed = True
         if trainer.received_sigterm:  # arrived during set-up or the sanity check: stop after the first batch
             self._received = "SIGTERM"
         for name in self.stop_signals:
@@ -172,28 +254,24 @@ class ResumeCheckpoint(Checkpoint):
             if signum is None:  # e.g. SIGUSR1 on Windows
                 continue
             previous = signal.getsignal(signum)
-            if name == "SIGUSR1" and previous not in (signal.SIG_DFL, None):
-                continue  # Lightning's SLURM requeue handler (or the user's) owns it
+            if name == "SIGUSR1" and previous not in (signal.SIG_DFL, None) and not _is_lightnings(previous):
+                continue  # the user's own SIGUSR1 handler
             try:
-                signal.signal(signum, self._handler(trainer, name, previous))
+                signal.signal(signum, self._handler(trainer, name))
             except ValueError:  # not the main thread
                 return
             self._previous[signum] = previous
 
-    def _handler(self, trainer: Trainer, name: str, previous: Any) -> Any:
+    def _handler(self, trainer: Trainer, name: str) -> Any:
         def handle(signum: int, frame: Any) -> None:
             if name == "SIGINT" and self._received is not None:
                 raise KeyboardInterrupt  # second Ctrl+C: abort now
-            if trainer.is_global_zero and self._received is None:
-                print(f"\n{name}: stopping after this batch and saving a checkpoint"
+            if self._received is None:
+                where = f"rank {trainer.global_rank}: " if trainer.world_size > 1 else ""
+                print(f"\n{where}{name}: stopping after this batch and saving a checkpoint"
                       + (" (Ctrl+C again to abort now)" if name == "SIGINT" else ""), file=sys.stderr, flush=True)
-            if trainer.world_size > 1:
-                # ranks must stop at the same batch: Lightning broadcasts rank 0's flag at every batch start
-                # and raises SIGTERMException on all ranks; on_exception then writes the checkpoint
-                trainer._signal_connector.received_sigterm = True
-                if name == "SIGTERM" and callable(previous):
-                    previous(signum, frame)  # Lightning's notifier forwards SIGTERM to launched workers
-            self._received = name
+            if _CODES[name] > _CODES.get(self._received or "", 0):
+                self._received = name
 
         return handle
 
@@ -206,9 +284,11 @@ class ResumeCheckpoint(Checkpoint):
         self._previous = {}
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._armed = False
         self._restore_handlers()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._armed = False
         self._restore_handlers()
         if isinstance(exception, SIGTERMException) and not isinstance(exception, RunInterrupted):
             # Lightning's own stop (DDP: raised on every rank at a batch start, i.e. at a batch boundary);
@@ -217,4 +297,10 @@ class ResumeCheckpoint(Checkpoint):
                 self._save(trainer, at_epoch_end=False)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._armed = False
         self._restore_handlers()
+
+
+def _is_lightnings(handler: Any) -> bool:
+    """True for the signal handler Lightning installs itself (its SLURM requeue handler)."""
+    return type(handler).__module__.startswith("lightning.")

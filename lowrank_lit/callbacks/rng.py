@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 __all__ = ["RNGStateCheckpoint"]
@@ -20,6 +22,9 @@ class RNGStateCheckpoint(Callback):
     uninterrupted one. With this callback (added to every ``lowrank`` run), resuming from a
     checkpoint written at an epoch boundary gives bit-identical weights on the CPU with
     ``trainer.deterministic=true``.
+
+    Under DDP every rank's states are gathered into the checkpoint (``per_rank``) and each rank gets
+    its own back on resume (with the same world size; otherwise rank 0's states, with a warning).
     """
 
     KEY = "lowrank_rng_states"
@@ -52,9 +57,22 @@ class RNGStateCheckpoint(Callback):
             torch.cuda.set_rng_state_all(states["cuda"])
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[self.KEY] = self.collect()
+        states = self.collect()
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # trainer.save_checkpoint runs on every rank (rank 0 writes): gather each rank's own states
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, states)
+            states = {**states, "per_rank": gathered}
+        checkpoint[self.KEY] = states
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get(self.KEY)
-        if states is not None:
-            self.restore(states)
+        if states is None:
+            return
+        per_rank = states.get("per_rank")
+        if per_rank is not None and len(per_rank) == trainer.world_size:
+            states = per_rank[trainer.global_rank]
+        elif per_rank is not None or trainer.world_size > 1:
+            warnings.warn(f"RNGStateCheckpoint: the checkpoint holds random states of {len(per_rank or [0])} rank(s), "
+                          f"this run has {trainer.world_size}; every rank continues from rank 0's states", stacklevel=2)
+        self.restore(states)

@@ -33,7 +33,14 @@ from lowrank_lit.launch.checks import (
     stdout_is_terminal,
     wandb_online_allowed,
 )
-from lowrank_lit.launch.run_dir import ENV_RUN_DIR, RunDir, resolve_run_dir, slurm_run_id
+from lowrank_lit.launch.run_dir import (
+    ENV_RUN_DIR,
+    RunDir,
+    keep_previous_metrics,
+    newest_checkpoint,
+    resolve_run_dir,
+    slurm_run_id,
+)
 
 __all__ = ["LowrankCLI", "build_parser"]
 
@@ -117,7 +124,31 @@ class LowrankCLI(LightningCLI):
     def after_fit(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.get("test_after_fit") and not self.trainer.interrupted:
-            self.trainer.test(self.model, datamodule=self.datamodule, verbose=True)
+            self.trainer.test(self.model, datamodule=self.datamodule, verbose=True, ckpt_path=self._final_weights())
+
+    def _final_weights(self) -> str | None:
+        """The checkpoint holding the weights fit ended with, for ``trainer.test``; None means the model as it is.
+
+        Lightning's test loop on a SLURM job loads the newest ``hpc_ckpt_*.ckpt`` of the run when it is
+        given no path, whatever fit did after it; the final ``last.ckpt`` is passed instead (the same
+        weights as the model in memory). Without a final ``last.ckpt`` any hpc checkpoint is moved out of
+        the test loop's way (renamed ``*.ckpt.stale``) rather than tested.
+        """
+        from lowrank_lit.callbacks.resume import ResumeCheckpoint
+        from lowrank_lit.checkpoint import checkpoint_step
+
+        trainer = self.trainer
+        if slurm_run_id() is None or self.run_dir is None or not any(self.run_dir.path.glob("hpc_ckpt_*.ckpt")):
+            return None  # Lightning tests the model as it is
+        for cb in trainer.callbacks:
+            if isinstance(cb, ResumeCheckpoint) and cb.dirpath and os.path.isfile(cb.last_path):
+                if checkpoint_step(cb.last_path) == trainer.global_step:
+                    return cb.last_path
+        if trainer.is_global_zero:
+            for stale in self.run_dir.path.glob("hpc_ckpt_*.ckpt"):
+                stale.rename(stale.with_suffix(".ckpt.stale"))
+        trainer.strategy.barrier("stale hpc checkpoints")
+        return None
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -134,12 +165,28 @@ class LowrankCLI(LightningCLI):
             cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg, self.subcommand)
             if self.subcommand == "fit":
                 self._resume_point(cfg, run_dir)
+            self._check_ckpt_path(cfg)
         except BaseException:
             self._remove_if_new(run_dir)
             raise
+        if run_dir.resumed:  # accepted: only now is the previous attempt's metrics.csv moved aside
+            keep_previous_metrics(run_dir.path)
         if is_rank_zero():
             print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else ""),
                   flush=True)
+
+    @staticmethod
+    def _check_ckpt_path(cfg: Namespace) -> None:
+        """An empty or truncated ``--ckpt_path`` file is one line naming it (and the previous good checkpoint)."""
+        from lowrank_lit.checkpoint import CheckpointError, check_readable
+
+        path = cfg.get("ckpt_path")
+        if path in (None, "last", "best", "hpc", "registry") or "://" in str(path):
+            return
+        try:
+            check_readable(path, "--ckpt_path")
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
 
     @staticmethod
     def _remove_if_new(run_dir: RunDir) -> None:
@@ -175,8 +222,11 @@ class LowrankCLI(LightningCLI):
             return
         has_ckpts = ckpts.is_dir() and any(ckpts.glob("*.ckpt"))
         if slurm_run_id() == run_dir.run_id and not cfg.get("run_id"):
-            if not any(run_dir.path.glob("hpc_ckpt_*.ckpt")) and last.is_file():
-                cfg.ckpt_path = str(last)
+            newest = newest_checkpoint([last, *run_dir.path.glob("hpc_ckpt_*.ckpt")])
+            if newest is not None:
+                cfg.ckpt_path = str(newest)
+                if is_rank_zero():
+                    print(f"requeued SLURM job {run_dir.run_id}: resuming from {newest}", flush=True)
             return
         if has_ckpts:
             raise ConfigError(

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunDir", "slurm_run_id", "new_run_id", "resolve_run_dir", "ENV_RUN_DIR"]
+__all__ = ["RunDir", "slurm_run_id", "new_run_id", "resolve_run_dir", "keep_previous_metrics", "newest_checkpoint", "ENV_RUN_DIR"]
 
 ENV_RUN_DIR = "LOWRANK_RUN_DIR"
 _EXPERIMENT_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
@@ -72,8 +72,13 @@ def _validate(experiment: str, run_id: str | None) -> None:
         raise ValueError(f"run_id={run_id!r}; allowed: letters, digits, '_', '.', '-'")
 
 
-def _keep_previous_metrics(path: Path) -> None:
-    """Lightning's CSVLogger deletes an existing ``metrics.csv``; move it to ``metrics.<n>.csv`` first."""
+def keep_previous_metrics(path: Path) -> None:
+    """Lightning's CSVLogger deletes an existing ``metrics.csv``; move it to ``metrics.<n>.csv`` first.
+
+    Called once a re-entry is accepted (a refused one touches nothing), on the first process only.
+    """
+    if int(os.environ.get("SLURM_PROCID", "0") or 0) != 0 or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
+        return
     metrics = path / "metrics.csv"
     if metrics.is_file():
         n = 1
@@ -106,8 +111,6 @@ def resolve_run_dir(run_root: str | os.PathLike, experiment: str, run_id: str | 
         path = base / fixed
         resumed = path.is_dir() and any(path.iterdir())
         path.mkdir(parents=True, exist_ok=True)
-        if resumed and int(os.environ.get("SLURM_PROCID", "0") or 0) == 0:
-            _keep_previous_metrics(path)
         return RunDir(path, experiment, fixed, resumed)
     base.mkdir(parents=True, exist_ok=True)
     while True:  # never reuse an existing directory for a new run
@@ -117,3 +120,12 @@ def resolve_run_dir(run_root: str | os.PathLike, experiment: str, run_id: str | 
         except FileExistsError:
             continue
         return RunDir(base / rid, experiment, rid, resumed=False)
+
+
+def newest_checkpoint(paths: list[Path]) -> Path | None:
+    """Of the existing, readable checkpoints in ``paths``: the one with the most optimizer steps (then the newest file)."""
+    from lowrank_lit.checkpoint import checkpoint_step
+
+    found = [(checkpoint_step(p), p.stat().st_mtime, p) for p in paths if p.is_file()]
+    found = [f for f in found if f[0] >= 0]
+    return max(found, key=lambda f: (f[0], f[1]))[2] if found else None

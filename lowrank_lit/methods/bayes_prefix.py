@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.coins import CoinSource, bayes_log_predictive, check_tokens
 from lowrank_lit.data.stream import run_seed
 from lowrank_lit.nn.lora import LoRALinear, inject_adapters
@@ -357,7 +358,7 @@ def _load_predictor(predictor: SequencePredictor, pretrained: str | None, untrai
     pretrained = pretrained.replace("{torso}", predictor.torso_kind).replace("{seed}", str(run_seed()))
     if not os.path.isfile(pretrained):
         raise FileNotFoundError(f"{where}: pretrained={pretrained} does not exist (run a MetaPretrainModule config first)")
-    state = torch.load(pretrained, map_location="cpu", weights_only=False)["state_dict"]
+    state = load_checkpoint(pretrained, f"{where}: pretrained")["state_dict"]
     weights = {k[len("predictor."):]: v for k, v in state.items() if k.startswith("predictor.")}
     if not weights:
         raise ValueError(f"{where}: {pretrained} holds no predictor.* weights (not a MetaPretrainModule checkpoint)")

@@ -50,6 +50,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torchmetrics.functional import spearman_corrcoef
 
+from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.icl import ICL_LOSSES, ICLWorld, ScoreCache, normalised_option_loss
 from lowrank_lit.optim import linear_warmup
 from lowrank_lit.registry import register_method
@@ -553,7 +554,7 @@ class ICLRetrieverModule(pl.LightningModule):
         """Load the towers (``query_encoder.*``, ``exemplar_encoder.*``) from a Lightning checkpoint."""
         if not os.path.isfile(path):
             raise FileNotFoundError(f"ICLRetrieverModule: init_checkpoint={path} does not exist")
-        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        state = load_checkpoint(path, "ICLRetrieverModule: init_checkpoint")["state_dict"]
         towers = {k: v for k, v in state.items() if k.startswith(("query_encoder.", "exemplar_encoder."))}
         missing, _ = self.load_state_dict(towers, strict=False)
         left = [k for k in missing if k.startswith(("query_encoder.", "exemplar_encoder."))]
