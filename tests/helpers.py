@@ -116,6 +116,16 @@ class SlowBatches(Callback):
         time.sleep(self.seconds)
 
 
+class RankDependentDraws(Callback):
+    """Draws ``global_rank + 1`` random numbers before every training batch, so each DDP rank's RNG (and so its
+    dropout masks) follows its own sequence: resuming with rank 0's states on every rank would change the run."""
+
+    def on_train_batch_start(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        torch.rand(trainer.global_rank + 1)
+
+
 #: A tiny random Llama config (MiniLM's vocabulary size, so its tokenizer works) for decoder-path tests.
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}

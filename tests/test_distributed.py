@@ -144,3 +144,94 @@ def test_ddp_step_equals_single_process_step(tmp_path, devices):
     assert set(a) == set(b)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------- DDP stops
+def _ddp_fit(root, *extra, signal_at=None, target="rank0"):
+    """``lowrank fit`` on 2 gloo processes in its own process group; send SIGTERM at a progress line to
+    rank 0 (the launching process), rank 1 (its child) or the whole group (as SLURM does).
+
+    Returns (exit status, stdout, stderr, seconds from the signal to the exit of every process)."""
+    import signal
+    import time
+
+    frag = root / "ddp.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    frag.write_text("trainer:\n  callbacks+:\n    - class_path: lowrank_lit.callbacks.LogProgress\n      init_args:\n"
+                    "        every_n_steps: 1\n    - class_path: tests.helpers.SlowBatches\n"
+                    "    - class_path: tests.helpers.RankDependentDraws\n")
+    env = {**os.environ, "PL_DISABLE_FORK": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.pop("LOWRANK_RUN_DIR", None)
+    cmd = [sys.executable, "-m", "lowrank_lit", "fit", "--config", str(MLP_CONFIG), "--config", str(frag),
+           "--trainer.max_epochs=4", "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu",
+           "--test_after_fit=false", "--run_root", str(root), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    out, sent = [], None
+    for line in proc.stdout:
+        out.append(line)
+        if signal_at and sent is None and line.startswith(signal_at):
+            if target == "group":
+                os.killpg(proc.pid, signal.SIGTERM)
+            elif target == "rank1":
+                children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+                os.kill(int(children[0]), signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"DDP run still running 60 s after SIGTERM to {target}") from None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # every rank of the group has exited
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"a rank outlived rank 0 by 20 s after SIGTERM to {target}")
+    waited = time.monotonic() - sent if sent else 0.0
+    return proc.returncode, "".join(out), proc.stderr.read(), waited
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp_reference")
+    rc, _, err, _ = _ddp_fit(root)
+    assert rc == 0, err[-2000:]
+    ckpt = torch.load(_only_run(root / "baseline" / "mlp_digits") / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=True)
+    return ckpt
+
+
+@pytest.mark.parametrize("target", ["rank0", "rank1", "group"])
+def test_ddp_stop_saves_once_and_resumes_bit_identical(tmp_path, target, ddp_reference):
+    """A SIGTERM to either rank or to the whole group stops both ranks after the same batch within seconds,
+    writes last.ckpt once, and the resumed 2-process run ends bit-identical to an uninterrupted one
+    (DistributedSampler epoch and each rank's own random states restored)."""
+    import re
+    import shlex
+    import signal
+
+    rc, out, err, waited = _ddp_fit(tmp_path, signal_at="epoch 2/4  batch 4/10", target=target)
+    assert rc == 128 + signal.SIGTERM, err[-2000:]
+    assert waited < 15, waited
+    run = _only_run(tmp_path / "baseline" / "mlp_digits")
+    stopped = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert 10 < stopped["global_step"] < 20, stopped["global_step"]  # mid-epoch 2, not its boundary
+    assert len(stopped["lowrank_rng_states"]["per_rank"]) == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+    resume = shlex.split(re.search(r"resume with: (.*)", err).group(1))
+    assert resume[-4:] == ["--run_id", run.name, "--ckpt_path", "last"]
+    if target != "rank0":
+        return  # the resume itself is checked once
+    rc, out, err, _ = _ddp_fit(tmp_path, "--run_id", run.name, "--ckpt_path", "last")
+    assert rc == 0, err[-2000:]
+    final = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["global_step"] == ddp_reference["global_step"] == 40
+    for key, value in ddp_reference["state_dict"].items():
+        assert torch.equal(final["state_dict"][key], value), key

@@ -211,7 +211,7 @@ def test_resumable_loader_replays_the_epoch_and_keeps_the_rng(use_generator):
     assert len(rest) == len(expected) - 5
     assert all(torch.equal(a, b) for a, b in zip(rest, expected[5:], strict=True))
     # a finished epoch resumes as a fresh epoch
-    assert second.state_dict() == {"epoch_rng": None, "consumed": 0}
+    assert second.state_dict() == {"epoch_rng": None, "consumed": 0, "sampler_epoch": None}
 
 
 def test_resumable_loader_rejects_bad_state():

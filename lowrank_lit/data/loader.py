@@ -7,7 +7,10 @@ hands it back before iterating). :class:`ResumableDataLoader` is a plain
 
 * at every ``iter()`` it remembers the random state the epoch's shuffle is drawn from (the
   loader's ``generator``, else the global torch RNG) and counts the batches it yields;
-* its state is that random state plus the number of batches the training loop has consumed;
+* its state is that random state plus the number of batches the training loop has consumed (and,
+  for a sampler with ``set_epoch`` such as the ``DistributedSampler`` Lightning puts in under DDP,
+  the sampler's epoch: Lightning builds the resumed epoch's iterator before it sets the epoch, so
+  the replay sets it itself);
 * after ``load_state_dict`` the next ``iter()`` replays the epoch's shuffle from the saved state
   and skips the consumed batches, then puts the global RNG back as it found it, so the run goes on
   with the RNG states the checkpoint restored (:class:`~lowrank_lit.callbacks.RNGStateCheckpoint`).
@@ -48,6 +51,7 @@ class ResumableDataLoader(DataLoader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._epoch_rng: torch.Tensor | None = None  # random state the current epoch's order was drawn from
+        self._sampler_epoch: int | None = None  # the sampler's epoch (DistributedSampler) when the order was drawn
         self._yielded = 0
         self._exhausted = False
         self._pending: dict[str, Any] | None = None
@@ -81,12 +85,19 @@ class ResumableDataLoader(DataLoader):
         consumed = self._yielded - (LIGHTNING_PREFETCH if total is None else 0)
         return max(consumed, 0), self._exhausted or (total is not None and consumed >= total)
 
+    def _epoch_sampler(self) -> Any:
+        """The sampler whose order depends on an epoch number (``set_epoch``), else None."""
+        sampler = self.sampler if hasattr(self.sampler, "set_epoch") else None
+        inner = getattr(self.batch_sampler, "sampler", None)
+        return sampler or (inner if hasattr(inner, "set_epoch") else None)
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch_rng": ByteTensor | None, "consumed": int}``: where the training loop stands in this epoch."""
+        """``{"epoch_rng": ByteTensor | None, "consumed": int, "sampler_epoch": int | None}``: where the
+        training loop stands in this epoch."""
         consumed, epoch_done = self._consumed()
         if self._epoch_rng is None or epoch_done:
-            return {"epoch_rng": None, "consumed": 0}
-        return {"epoch_rng": self._epoch_rng.clone(), "consumed": consumed}
+            return {"epoch_rng": None, "consumed": 0, "sampler_epoch": None}
+        return {"epoch_rng": self._epoch_rng.clone(), "consumed": consumed, "sampler_epoch": self._sampler_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at the saved position on the next ``iter()`` (a no-op for an epoch-end state)."""
@@ -101,10 +112,15 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
         self._yielded, self._exhausted = 0, False
+        sampler = self._epoch_sampler()
         if pending is None:
             self._epoch_rng = self._rng_state()
+            self._sampler_epoch = getattr(sampler, "epoch", None)
             return self._counting(super().__iter__())
         # replay the interrupted epoch's order, skip what was trained on, then restore the RNG
+        if sampler is not None and pending.get("sampler_epoch") is not None:
+            sampler.set_epoch(int(pending["sampler_epoch"]))
+        self._sampler_epoch = pending.get("sampler_epoch")
         current = self._rng_state()
         self._epoch_rng = pending["epoch_rng"].clone()
         self._set_rng_state(self._epoch_rng)
