@@ -109,7 +109,8 @@ class SeededOptimizer(torch.optim.Optimizer):
       on every DDP rank after ``seed_everything``) when ``seed`` is None; its state travels in
       ``state_dict()`` so a resumed run draws the same numbers.
     * ``load_state_dict`` keeps integer and boolean state tensors (index sets, masks) in their saved
-      dtype: torch would cast every state tensor to its parameter's floating dtype.
+      dtype, and string state (e.g. a projector's side) as it was: torch would cast every state tensor
+      to its parameter's floating dtype and turn a string into the text of a generator object.
     * :meth:`step` handles the closure, skips parameters without a gradient, refuses sparse ones and
       counts ``state["step"]``; subclasses write :meth:`update` for one parameter.
     * :meth:`check_adam` validates the Adam hyperparameters of a param group; :meth:`state_bytes`
@@ -161,7 +162,8 @@ class SeededOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        exact = {pid: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()}
+        exact = {pid: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()
+                       if isinstance(v, str) or (isinstance(v, torch.Tensor) and not v.is_floating_point())}
                  for pid, st in state_dict["state"].items()}
         gen_state = state_dict.get("generator_state")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "generator_state"})
@@ -169,7 +171,7 @@ class SeededOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for pid, p in zip(ids, params, strict=True):
             for key, value in exact.get(pid, {}).items():
-                self.state[p][key] = value.to(p.device)
+                self.state[p][key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
         if gen_state is not None:
             self.generator.set_state(gen_state)
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lowrank_lit.data.heads import gaze_from_angles
+from lowrank_lit.data.loader import ResumableDataLoader
 
 __all__ = ["GazeCSVDataset", "GazeFolderDataModule"]
 
@@ -85,8 +86,9 @@ class GazeFolderDataModule(pl.LightningDataModule):
 
     def _loader(self, csv_path: str, shuffle: bool, index: int = 0) -> Any:
         ds = GazeCSVDataset(csv_path, self.root, self.image_size, index)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        # resumable: an interrupted run continues the epoch's shuffle where it stopped
+        return ResumableDataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+                                   persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> Any:
         return self._loader(self.train_csv, True)

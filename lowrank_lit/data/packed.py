@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lowrank_lit.data.loader import ResumableDataLoader
 from lowrank_lit.data.stream import run_seed
 from lowrank_lit.data.text import read_text_bytes
 
@@ -126,6 +127,10 @@ class PlannedSequences(Dataset):
         return self.sequences[item]
 
 
+def _identity(x: Any) -> Any:
+    return x
+
+
 class PackedSFTDataModule(pl.LightningDataModule):
     """Variable-length byte sequences for SFT-style causal LM training under a Skrull schedule (module docstring).
 
@@ -204,7 +209,8 @@ class PackedSFTDataModule(pl.LightningDataModule):
     def _loader(self, ds: PlannedSequences, seed: int, shuffle_seed: bool) -> DataLoader:
         gbs = min(self.global_batch_size, len(ds))
         sampler = SkrullBatchSampler([len(s) for s in ds.sequences], gbs, self.planner, seed=seed if shuffle_seed else 0)
-        return DataLoader(ds, sampler=sampler, batch_size=None, collate_fn=lambda x: x)
+        # resumable: an interrupted run skips the global batches it trained on (the plan is seeded per epoch)
+        return ResumableDataLoader(ds, sampler=sampler, batch_size=None, collate_fn=_identity)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None

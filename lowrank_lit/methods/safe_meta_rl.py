@@ -305,7 +305,9 @@ class TaskDataModule(pl.LightningDataModule):
         self.tasks_per_batch, self.steps_per_epoch, self.seed = tasks_per_batch, steps_per_epoch, seed
 
     def _loader(self, ds: Any) -> Any:
-        return torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False)
+        from lowrank_lit.data.loader import ResumableDataLoader
+
+        return ResumableDataLoader(ds, batch_size=None, shuffle=False)  # an interrupted run skips the meta-steps it took
 
     def train_dataloader(self) -> Any:
         from lowrank_lit.data.stream import run_seed
@@ -642,9 +644,29 @@ class NeuralSafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
         self.register_buffer("lam", torch.zeros(()))
         self.adapt_rows: list[dict[str, Any]] = []
         self._gen = torch.Generator().manual_seed(0)
+        self._resumed_gen: torch.Tensor | None = None  # the rollout generator's state from a checkpoint
 
     def on_fit_start(self) -> None:
+        if self._resumed_gen is not None:  # a resumed run continues each rank's rollout stream where it stopped
+            self._gen.set_state(self._resumed_gen)
+            self._resumed_gen = None
+            return
         self._gen.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * self.global_rank)  # per-rank stream
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = self._gen.get_state()
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, state)
+            checkpoint["rollout_generator"] = gathered
+        else:
+            checkpoint["rollout_generator"] = [state]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("rollout_generator")
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        if states and rank < len(states):
+            self._resumed_gen = states[rank]
 
     def _rollout(self, policy: GaussianPolicy, tasks: list[int]) -> dict[str, torch.Tensor]:
         ro = self.env.rollout(policy, torch.tensor(tasks), self.hparams.n_envs, self._gen)
