@@ -175,3 +175,150 @@ def test_top_level_keys_match_the_real_parser():
     parser = build_parser("fit")
     real = {a.dest.split(".")[0] for a in parser._actions if a.dest not in ("help", "config", "print_config")}
     assert set(TOP_LEVEL_KEYS) == real - {"optimizer", "lr_scheduler"}
+
+
+# ----------------------------------------------------------------------------------------- stop and continue
+def _slow_trials(tmp_path):
+    """Trials that print a line per batch and take ~0.1 s per batch, so a signal lands inside a trial."""
+    frag = tmp_path / "slow.yaml"
+    frag.write_text("trainer:\n  callbacks+:\n    - class_path: lowrank_lit.callbacks.LogProgress\n      init_args:\n"
+                    "        every_n_steps: 1\n    - class_path: tests.helpers.SlowBatches\n      init_args:\n"
+                    "        seconds: 0.1\n")
+    return ["--trainer.max_epochs=2", "--trainer.limit_train_batches=10", "--trainer.limit_val_batches=1",
+            "--trainer.enable_model_summary=false", "--config", str(frag)]
+
+
+def _sweep_cli(path, runs, extra, signal_in_trial=None, sig=None):
+    """``lowrank sweep`` in a subprocess; send ``sig`` once trial number ``signal_in_trial`` is training."""
+    import os
+    import time
+
+    cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(path), "--study-name", "st", "--run-root", str(runs),
+           "--no-wandb", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if signal_in_trial is not None:
+        logs = runs / "sweeps" / "st" / "logs"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            mine = list(logs.glob(f"st-t{signal_in_trial:04d}-*.log")) if logs.is_dir() else []
+            if mine and "batch 3/10" in mine[0].read_text():
+                break
+            time.sleep(0.05)
+        else:
+            proc.kill()
+            raise AssertionError("trial never started")
+        proc.send_signal(sig)
+        t0 = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    if signal_in_trial is not None:
+        assert time.monotonic() - t0 < 30
+    return proc.returncode, out, err
+
+
+def _study(runs):
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    journal = runs / "sweeps" / "st" / "study.journal"
+    return optuna.load_study(study_name="st", storage=optuna.storages.JournalStorage(JournalFileBackend(str(journal))))
+
+
+def _no_trial_process_left(runs):
+    import os
+
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline").read()
+            except OSError:
+                continue
+            assert str(runs) not in cmdline or "sweep" in cmdline, f"orphaned trial {pid}: {cmdline}"
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_stopped_grid_sweep_continues_to_a_complete_grid(tmp_path, sig):
+    """Ctrl+C / SIGTERM in trial 2 of a 4-point grid (no --storage): one line, the trial stopped and recorded as
+    interrupted, table and best.yaml written; the same command again runs the interrupted point (resuming its run)
+    and the last point, and never repeats a finished one."""
+    import signal
+
+    import optuna
+
+    path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  values: [0.001, 0.002, 0.003, 0.004]\n")
+    runs, extra = tmp_path / "runs", _slow_trials(tmp_path)
+    rc, out, err = _sweep_cli(path, runs, extra, signal_in_trial=2, sig=getattr(signal, sig))
+    assert rc == 128 + getattr(signal, sig), err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"stopped by {sig}" in err and "continue it with: lowrank sweep" in err
+    assert "| INTERRUPTED |" in out and out.count("| COMPLETE |") == 2
+    assert (runs / "sweeps" / "st" / "best.yaml").is_file() and "INTERRUPTED" in (runs / "sweeps" / "st" / "trials.md").read_text()
+    _no_trial_process_left(runs)
+    study = _study(runs)
+    states = [t.state for t in study.trials]
+    assert states.count(optuna.trial.TrialState.RUNNING) == 0 and states.count(optuna.trial.TrialState.COMPLETE) == 2
+    interrupted = study.trials[2]
+    assert interrupted.user_attrs["interrupted"] is True
+    assert (tmp_path / interrupted.user_attrs["run_dir"] / "checkpoints" / "last.ckpt").is_file()
+
+    rc, out, err = _sweep_cli(path, runs, extra)
+    assert rc == 0, err[-2000:]
+    ran = [ln for ln in out.splitlines() if ln.startswith("trial ")]
+    assert len(ran) == 2, ran  # the interrupted point again, then the one never started
+    study = _study(runs)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert sorted(t.params["model.init_args.optimizer.init_args.lr"] for t in done) == [0.001, 0.002, 0.003, 0.004]
+    rerun = next(t for t in done if t.user_attrs.get("rerun_of") == 2)
+    assert rerun.user_attrs["run_dir"] == interrupted.user_attrs["run_dir"]  # continued from its last.ckpt
+    assert "rerun of 2" in out
+    rc, out, _ = _sweep_cli(path, runs, extra)  # a finished grid runs nothing
+    assert rc == 0 and not [ln for ln in out.splitlines() if ln.startswith("trial ")]
+
+
+def test_stopped_random_sweep_counts_finished_trials_and_draws_new_points(tmp_path):
+    """run_cap counts finished trials: a stop in trial 1 and a restart end with exactly run_cap finished trials,
+    the interrupted one rerun with its parameters, and no point of the first start drawn again."""
+    import signal
+
+    import optuna
+
+    path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  distribution: log_uniform_values\n"
+                            "  min: 1.0e-3\n  max: 1.0e-1\n", method="random")
+    path.write_text(path.read_text() + "run_cap: 3\n")
+    runs, extra = tmp_path / "runs", _slow_trials(tmp_path)
+    rc, _, err = _sweep_cli(path, runs, extra, signal_in_trial=1, sig=signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err[-2000:]
+    first = _study(runs).trials
+    rc, out, err = _sweep_cli(path, runs, extra)
+    assert rc == 0, err[-2000:]
+    study = _study(runs)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 3
+    lrs = [t.params["model.init_args.optimizer.init_args.lr"] for t in done]
+    assert len(set(lrs)) == 3
+    assert first[1].params["model.init_args.optimizer.init_args.lr"] in lrs  # the interrupted point, rerun
+    assert sum(t.params == first[0].params for t in study.trials) == 1  # the finished one never again
+
+
+def test_orphaned_running_trial_is_rerun(tmp_path):
+    """A trial left RUNNING by a killed worker on this host (kill -9) is recorded as interrupted and run again."""
+    import optuna
+
+    from lowrank_lit.launch.sweep import _storage, default_storage, suggest
+
+    path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  values: [0.001, 0.002]\n")
+    runs = tmp_path / "runs"
+    journal = default_storage(runs, "st")
+    journal.parent.mkdir(parents=True)
+    study = optuna.create_study(study_name="st", storage=_storage(str(journal)))
+    study.enqueue_trial({"model.init_args.optimizer.init_args.lr": 0.002})
+    trial = study.ask()
+    suggest(trial, load_sweep(path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    import socket
+
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}")
+    study, results = run_sweep(path, run_root=runs, study_name="st", wandb=False, extra_args=TINY, check=False)
+    assert study.trials[0].user_attrs["interrupted"] is True
+    assert sorted(r.params["model.init_args.optimizer.init_args.lr"] for r in results) == [0.001, 0.002]
+    assert all(r.state == "COMPLETE" for r in results)

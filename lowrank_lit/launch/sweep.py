@@ -15,9 +15,23 @@ Each trial is a ``lowrank fit`` subprocess with the trial's overrides as ``--key
 (exactly what W&B's ``${args}`` macro passes), its own run directory and, unless ``--no-wandb``,
 an offline W&B run grouped by the study name. The objective is the sweep's ``metric.name`` read
 from the trial's ``metrics.csv`` (its last logged value, as W&B's run summary). A trial that
-crashes is recorded as failed and the sweep goes on. Several workers (processes or SLURM array
-tasks) share one ``--storage`` (an sqlite URL or a ``.journal`` file) and split the trials; grid
-points are assigned by trial number, so no point runs twice.
+crashes is recorded as failed and the sweep goes on.
+
+The study always lives on disk (default ``<run-root>/sweeps/<study>/study.journal``), so a sweep is
+resumable like a run:
+
+* Ctrl+C or SIGTERM (SLURM's time limit) is passed on to the running trial, which stops at its next
+  batch boundary with a checkpoint; the trial is recorded as interrupted (not failed), the table and
+  ``best.yaml`` are written for what finished, and the sweep exits with 128 + the signal number.
+* Running the same command again continues the study: an interrupted trial runs again first (resuming
+  its run directory from ``last.ckpt``), nothing finished is repeated, a grid ends with every point
+  evaluated, and ``run_cap`` counts finished trials (complete or crashed), not attempts. A random or
+  bayes restart draws new points (the sampler seed moves on with the study's size).
+* A trial left RUNNING by a worker on this host that no longer exists (``kill -9``) is recorded as
+  interrupted when the sweep restarts.
+
+Several workers (processes or SLURM array tasks) share one ``--storage`` (an sqlite URL or a
+``.journal`` file) and split the trials; a grid point is claimed by the first trial that asks for it.
 """
 
 from __future__ import annotations
@@ -27,6 +41,8 @@ import json
 import math
 import os
 import secrets
+import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -37,7 +53,7 @@ import yaml
 
 from lowrank_lit.report import read_metric
 
-__all__ = ["SweepSpec", "SweepError", "load_sweep", "format_value", "run_sweep", "main"]
+__all__ = ["SweepSpec", "SweepError", "SweepStopped", "load_sweep", "format_value", "run_sweep", "main"]
 
 METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
@@ -51,6 +67,20 @@ class TrialFailed(RuntimeError):
 
 class SweepError(ValueError):
     """A sweep file that cannot be run; the message names the file and the offending key."""
+
+
+class SweepStopped(Exception):
+    """The sweep was stopped by a signal; the running trial was stopped and recorded as interrupted.
+
+    Attributes:
+        signal_name: ``"SIGINT"`` or ``"SIGTERM"``.
+        study: the optuna study (on disk; the same command continues it).
+        results: the trials this worker ran, the interrupted one last.
+    """
+
+    def __init__(self, signal_name: str, study: Any, results: list[Any]) -> None:
+        super().__init__(f"sweep stopped by {signal_name}")
+        self.signal_name, self.study, self.results = signal_name, study, results
 
 
 @dataclass
@@ -292,13 +322,9 @@ def trial_value(spec: SweepSpec, key: str, stored: Any) -> Any:
 def make_sampler(spec: SweepSpec, seed: int | None) -> Any:
     import optuna
 
-    if spec.method == "grid":
-        space = {k: [_encode(v) for v in _choices(p)] for k, p in spec.parameters.items()}
-        # GridSampler shuffles the grid with its seed and maps trial number -> grid point; every
-        # worker of a study must use the same order, so the grid seed is fixed (seed only varies
-        # the random and bayes samplers between workers)
-        return optuna.samplers.GridSampler(space, seed=0)
-    if spec.method == "random":
+    if spec.method in ("grid", "random"):
+        # random: plain draws; a grid is walked by the runner itself (each point queued with fixed parameters once no trial
+        # has finished or claimed it), so the sampler of a grid sweep is never asked for a value
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
 
@@ -335,39 +361,183 @@ class TrialResult:
     error: str | None = None
 
 
+class _Stop:
+    """SIGINT/SIGTERM handlers of the sweep process: note the signal, pass it on to the running trial."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.child: subprocess.Popen | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals stay as they are
+                pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.name is None:
+            where = " (stopping the running trial at its next batch boundary)" if self.child is not None else ""
+            print(f"\n{name}: stopping the sweep{where}", file=sys.stderr, flush=True)
+        self.name = self.name or name
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)  # a second Ctrl+C reaches the trial too: it aborts at once
+
+
 def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_name: str, run_root: Path,
-              wandb: bool, extra_args: list[str], log_dir: Path) -> TrialResult:
-    """Run one ``lowrank fit`` subprocess and read its objective."""
-    run_id = f"{study_name}-t{number:04d}-{secrets.token_hex(2)}"
+              wandb: bool, extra_args: list[str], log_dir: Path, resume_run_id: str | None = None,
+              stop: _Stop | None = None) -> TrialResult:
+    """Run one ``lowrank fit`` subprocess and read its objective.
+
+    ``resume_run_id`` continues that run directory from its ``last.ckpt`` (an interrupted trial run again).
+    With ``stop``, a signal to the sweep is passed on to the trial; the result is then ``INTERRUPTED``.
+    """
+    run_id = resume_run_id or f"{study_name}-t{number:04d}-{secrets.token_hex(2)}"
     args = [sys.executable, "-m", "lowrank_lit", *spec.fit_args]
     if wandb:
         args += ["--config", str(_preset("wandb.yaml"))]
     args += [*extra_args, *overrides_to_args(params), "--run_root", str(run_root), "--run_id", run_id]
+    if resume_run_id is not None:
+        args += ["--ckpt_path", "last"]
     env = {**os.environ, "WANDB_RUN_GROUP": study_name}
     env.pop("LOWRANK_RUN_DIR", None)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{run_id}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    with log_path.open("a" if resume_run_id else "w") as log:
+        # its own session: a Ctrl+C at the terminal reaches the trial only through the sweep (once)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if stop is not None:
+            stop.child = proc
+            if stop.name is not None:  # the signal came while the trial was starting
+                proc.send_signal(getattr(signal, stop.name))
+        try:
+            proc.wait()
+        finally:
+            if stop is not None:
+                stop.child = None
     found = [p for p in run_root.rglob(run_id) if p.is_dir()]
     run_dir = found[0] if found else None
+    where = str(run_dir) if run_dir else None
+    if stop is not None and stop.name is not None:
+        return TrialResult(number, params, "INTERRUPTED", None, where, f"interrupted by {stop.name} (log: {log_path})")
     if proc.returncode != 0:
         tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(no output)"]
-        return TrialResult(number, params, "FAIL", None, str(run_dir) if run_dir else None,
-                           f"exit {proc.returncode}: {tail[0][:200]} (log: {log_path})")
+        return TrialResult(number, params, "FAIL", None, where, f"exit {proc.returncode}: {tail[0][:200]} (log: {log_path})")
     try:
         value = read_metric(run_dir / "metrics.csv" if run_dir else Path("missing"), spec.metric)
     except RuntimeError as exc:
-        return TrialResult(number, params, "FAIL", None, str(run_dir) if run_dir else None, str(exc))
+        return TrialResult(number, params, "FAIL", None, where, str(exc))
     if math.isnan(value):
-        return TrialResult(number, params, "FAIL", None, str(run_dir), f"{spec.metric} is NaN")
-    return TrialResult(number, params, "COMPLETE", value, str(run_dir))
+        return TrialResult(number, params, "FAIL", None, where, f"{spec.metric} is NaN")
+    return TrialResult(number, params, "COMPLETE", value, where)
 
 
 def _preset(name: str) -> Path:
     from lowrank_lit.registry import project_root
 
     return project_root() / "callbacks" / name
+
+
+def default_storage(run_root: str | os.PathLike, study_name: str) -> Path:
+    """Where a sweep's study lives unless ``--storage`` says otherwise: ``<run_root>/sweeps/<study>/study.journal``."""
+    return Path(run_root) / "sweeps" / study_name / "study.journal"
+
+
+def _key(params: dict[str, Any]) -> str:
+    """A hashable, order-free form of a trial's (encoded) parameters."""
+    return json.dumps({k: _encode(v) for k, v in params.items()}, sort_keys=True)
+
+
+def _worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _orphaned(trial: Any) -> bool:
+    """A RUNNING trial whose worker ran on this host and has exited (killed without a chance to record it)."""
+    host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False  # a live worker
+
+
+def _interrupted(trial: Any) -> bool:
+    import optuna
+
+    return trial.state == optuna.trial.TrialState.FAIL and bool(trial.user_attrs.get("interrupted"))
+
+
+def _finished(trial: Any) -> bool:
+    """Complete, or crashed (a failure that is not an interruption): such a trial is never run again."""
+    import optuna
+
+    state = trial.state
+    return state == optuna.trial.TrialState.COMPLETE or (state == optuna.trial.TrialState.FAIL and not _interrupted(trial))
+
+
+def _requeue_interrupted(study: Any) -> None:
+    """Record orphaned trials as interrupted, and queue every interrupted trial that has no rerun yet."""
+    import optuna
+
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if _orphaned(t):
+            study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+    trials = study.get_trials(deepcopy=False)
+    rerun = {t.user_attrs.get("rerun_of") for t in trials}
+    for t in trials:
+        if _interrupted(t) and t.number not in rerun:
+            run_dir = t.user_attrs.get("run_dir")
+            resumable = run_dir and (Path(run_dir) / "checkpoints" / "last.ckpt").is_file()
+            attrs = {"rerun_of": t.number, **({"resume_run_id": Path(run_dir).name} if resumable else {})}
+            study.enqueue_trial(t.params, user_attrs=attrs, skip_if_exists=False)
+
+
+def _next_trial(study: Any, spec: SweepSpec, cap: int | None, rng: Any) -> Any:
+    """Ask the study for the next trial to run, or None when the budget is met.
+
+    Queued trials (interrupted ones run again) come first. A grid then takes a point that no trial has
+    finished or is running; random and bayes draw from the sampler until ``cap`` trials have finished
+    (running ones count, so parallel workers do not overshoot).
+    """
+    import optuna
+
+    trials = study.get_trials(deepcopy=False)
+    states = optuna.trial.TrialState
+    if not any(t.state == states.WAITING for t in trials):
+        taken = [t for t in trials if _finished(t) or t.state == states.RUNNING]
+        if spec.method == "grid":
+            claimed = {_key(t.params) for t in taken}
+            pending = [p for p in spec.grid_points() if _key(p) not in claimed]
+            if not pending:
+                return None
+            study.enqueue_trial({k: _encode(v) for k, v in pending[int(rng.integers(len(pending)))].items()})
+        elif cap is not None and len(taken) >= cap:
+            return None
+    return study.ask()
+
+
+def _duplicate(study: Any, trial: Any, spec: SweepSpec) -> bool:
+    """Another worker claimed the same grid point first (a lower-numbered trial, running or finished)."""
+    if spec.method != "grid":
+        return False
+    import optuna
+
+    mine = _key(trial.params)
+    return any(t.number < trial.number and _key(t.params) == mine and (_finished(t) or t.state == optuna.trial.TrialState.RUNNING)
+               for t in study.get_trials(deepcopy=False))
 
 
 def run_sweep(
@@ -386,55 +556,72 @@ def run_sweep(
 
     Args:
         sweep_file: W&B sweep YAML (or its loaded :class:`SweepSpec`).
-        n_trials: trials for this worker. Default: the grid size (grid), else ``run_cap`` or 10.
+        n_trials: at most this many trials in this call. Default: until the budget is met (every grid
+            point, else ``run_cap`` finished trials, else 10).
         storage: optuna storage shared by workers: ``sqlite:///file.db`` or a ``*.journal`` path.
-            Default: in memory (one worker).
+            Default: ``<run_root>/sweeps/<study>/study.journal``.
         study_name: optuna study name and W&B group. Default: the sweep file's stem.
         run_root: where trial run directories go. Default: ``runs``.
         seed: sampler seed (workers sharing a study should pass different seeds). Default: 0.
         wandb: log each trial to W&B (offline unless logged in). Default: True.
         extra_args: more ``lowrank fit`` flags for every trial (e.g. a smaller budget).
         check: parse every swept value through the CLI before the first trial. Default: True.
+
+    Raises:
+        SweepStopped: SIGINT or SIGTERM arrived; the running trial was stopped and recorded as interrupted.
     """
+    import numpy as np
     import optuna
 
     spec = sweep_file if isinstance(sweep_file, SweepSpec) else load_sweep(sweep_file)
     if check:
         check_keys(spec)
     study_name = study_name or spec.path.stem
-    grid_size = len(spec.grid_points()) if spec.method == "grid" else None
-    if n_trials is None:
-        n_trials = grid_size or spec.run_cap or 10
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        study_name=study_name,
-        storage=_storage(storage),
-        sampler=make_sampler(spec, seed),
-        direction="minimize" if spec.goal == "minimize" else "maximize",
-        load_if_exists=True,
-    )
     run_root = Path(run_root)
+    if storage is None:
+        storage = str(default_storage(run_root, study_name))
+    if "://" not in storage:
+        Path(storage).parent.mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=study_name, storage=_storage(storage),
+                                direction="minimize" if spec.goal == "minimize" else "maximize", load_if_exists=True)
+    # a restart must not draw the points of the first start again: the seed moves on with the study
+    base = 0 if seed is None else seed
+    study.sampler = make_sampler(spec, base + 1_000_003 * len(study.trials))
+    rng = np.random.default_rng(base)
+    if spec.method == "grid":
+        cap: int | None = len(spec.grid_points())
+    else:
+        cap = spec.run_cap or (10 if n_trials is None else None)
     results: list[TrialResult] = []
-
-    def objective(trial: Any) -> float:
-        if grid_size is not None and trial.number >= grid_size:
-            # every grid point is taken by some worker: release this slot without running anything
-            raise optuna.TrialPruned("grid exhausted")
-        params = suggest(trial, spec)
-        trial.set_user_attr("overrides", overrides_to_args(params))
-        res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
-                        extra_args=list(extra_args or []), log_dir=run_root / "sweeps" / study_name / "logs")
-        results.append(res)
-        print(_trial_line(res, spec.metric), flush=True)
-        if res.run_dir:
-            trial.set_user_attr("run_dir", res.run_dir)
-        if res.state != "COMPLETE":
+    with _Stop() as stop:
+        _requeue_interrupted(study)
+        while stop.name is None and (n_trials is None or len(results) < n_trials):
+            trial = _next_trial(study, spec, cap, rng)
+            if trial is None:
+                break
+            trial.set_user_attr("worker", _worker_id())
+            params = suggest(trial, spec)
+            if _duplicate(study, trial, spec):
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
+            trial.set_user_attr("overrides", overrides_to_args(params))
+            res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
+                            extra_args=list(extra_args or []), log_dir=run_root / "sweeps" / study_name / "logs",
+                            resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop)
+            results.append(res)
+            print(_trial_line(res, spec.metric), flush=True)
+            if res.run_dir:
+                trial.set_user_attr("run_dir", res.run_dir)
+            if res.state == "COMPLETE":
+                study.tell(trial, float(res.value))
+                continue
             trial.set_user_attr("error", res.error)
-            raise TrialFailed(res.error)
-        return float(res.value)
-
-    # GridSampler stops the study once every point is done; failed trials are recorded and skipped
-    study.optimize(objective, n_trials=n_trials, catch=(TrialFailed,))
+            if res.state == "INTERRUPTED":
+                trial.set_user_attr("interrupted", True)
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        if stop.name is not None:
+            raise SweepStopped(stop.name, study, results)
     return study, results
 
 
@@ -486,7 +673,10 @@ def summary_table(spec: SweepSpec, study: Any) -> str:
     for t in done + rest:
         vals = [format_value(trial_value(spec, k, t.params.get(k))) for k in keys]
         value = f"{t.value:.4f}" if t.value is not None else "-"
-        lines.append(f"| {t.number} | {t.state.name} | " + " | ".join(vals) + f" | {value} |")
+        state = "INTERRUPTED" if _interrupted(t) else t.state.name
+        if "rerun_of" in t.user_attrs:
+            state += f" (rerun of {t.user_attrs['rerun_of']})"
+        lines.append(f"| {t.number} | {state} | " + " | ".join(vals) + f" | {value} |")
     return "\n".join(lines)
 
 
@@ -496,8 +686,10 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="lowrank sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep_file", help="W&B sweep YAML (sweeps/<slug>.yaml)")
-    parser.add_argument("--n-trials", type=int, default=None, help="trials for this worker (default: grid size, run_cap or 10)")
-    parser.add_argument("--storage", default=None, help="optuna storage shared by workers: sqlite:///x.db or x.journal")
+    parser.add_argument("--n-trials", type=int, default=None,
+                        help="at most this many trials in this call (default: until every grid point, run_cap or 10 trials have finished)")
+    parser.add_argument("--storage", default=None, help="optuna storage shared by workers: sqlite:///x.db or x.journal "
+                        "(default: <run-root>/sweeps/<study>/study.journal; the same command continues a stopped sweep)")
     parser.add_argument("--study-name", default=None, help="optuna study and W&B group (default: sweep file stem)")
     parser.add_argument("--run-root", default="runs", help="folder for trial run directories (default: runs)")
     parser.add_argument("--seed", type=int, default=None, help="sampler seed (default: SLURM_ARRAY_TASK_ID or 0)")
@@ -530,17 +722,38 @@ def main(argv: list[str]) -> int:
             print(f"  note: {note}")
         return 0
     seed = opts.seed if opts.seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
-    study, _ = run_sweep(spec, n_trials=opts.n_trials, storage=opts.storage, study_name=opts.study_name,
-                         run_root=opts.run_root, seed=seed, wandb=not opts.no_wandb, extra_args=extra, check=False)
+    study_name = opts.study_name or spec.path.stem
+    stopped: SweepStopped | None = None
+    try:
+        study, _ = run_sweep(spec, n_trials=opts.n_trials, storage=opts.storage, study_name=study_name,
+                             run_root=opts.run_root, seed=seed, wandb=not opts.no_wandb, extra_args=extra, check=False)
+    except SweepStopped as exc:
+        stopped, study = exc, exc.study
+    code = _report(spec, study, opts, stopped is not None)
+    if stopped is not None:
+        again = " ".join(["lowrank", "sweep", *argv])
+        print(f"\nlowrank sweep: stopped by {stopped.signal_name}; the study is saved, continue it with: {again}",
+              file=sys.stderr, flush=True)
+        return 128 + int(getattr(signal, stopped.signal_name))
+    return code
+
+
+def _report(spec: SweepSpec, study: Any, opts: Any, stopped: bool) -> int:
+    """Print and save the table of every trial, and write the best config of what finished."""
+    folder = Path(opts.run_root) / "sweeps" / study.study_name
+    table = summary_table(spec, study)
     print()
-    print(summary_table(spec, study))
+    print(table)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trials.md").write_text(table + "\n")
     try:
         best = study.best_trial
     except ValueError:
         print("\nno trial completed", file=sys.stderr)
         return 1
-    out = Path(opts.best_config or Path(opts.run_root) / "sweeps" / study.study_name / "best.yaml")
+    out = Path(opts.best_config or folder / "best.yaml")
     best_config(spec, study, out)
-    print(f"\nbest: trial {best.number}  {spec.metric}={best.value:.6g}  " + " ".join(best.user_attrs.get("overrides", [])))
+    print(f"\nbest{' so far' if stopped else ''}: trial {best.number}  {spec.metric}={best.value:.6g}  "
+          + " ".join(best.user_attrs.get("overrides", [])))
     print(f"best config: {out}\n  lowrank fit --config {out}")
     return 0
