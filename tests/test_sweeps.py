@@ -190,7 +190,6 @@ def _slow_trials(tmp_path):
 
 def _sweep_cli(path, runs, extra, signal_in_trial=None, sig=None):
     """``lowrank sweep`` in a subprocess; send ``sig`` once trial number ``signal_in_trial`` is training."""
-    import os
     import time
 
     cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(path), "--study-name", "st", "--run-root", str(runs),
