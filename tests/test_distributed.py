@@ -42,7 +42,7 @@ def test_submit_dry_run_matches_counts():
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --account=lab" in script
     assert "TQDM_MINITERS" not in script and "export PYTHONUNBUFFERED=1" in script  # progress lines, not a bar
     launch = next(ln for ln in script.splitlines() if "lowrank_lit fit" in ln)
-    assert launch.startswith("srun ")
+    assert launch.startswith("srun --kill-on-bad-exit=1 ")
     assert "--trainer.num_nodes=2" in launch and "--trainer.devices=4" in launch and "--trainer.strategy=ddp" in launch
     assert "--config configs/baseline/vit_tiny_digits.yaml" in launch
 

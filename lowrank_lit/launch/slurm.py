@@ -1,10 +1,12 @@
 """``lowrank submit``: write an sbatch script for a run (or an offline sweep) and submit it.
 
 Lightning's SLURM model is one task per GPU: ``--ntasks-per-node`` equals ``trainer.devices``,
-``--nodes`` equals ``trainer.num_nodes``, and the training command is launched with ``srun``. The
-script asks for ``--signal=SIGUSR1@90`` and ``--requeue``: Lightning's ``SLURMEnvironment``
-(selected automatically under ``srun``, ``auto_requeue=True``) saves ``hpc_ckpt_N.ckpt`` and
-requeues the job, which comes back with the same job id, hence the same run directory and W&B run.
+``--nodes`` equals ``trainer.num_nodes``, and the training command is launched with
+``srun --kill-on-bad-exit=1`` (a rank that dies ends the step instead of leaving the others waiting
+in a collective). The script asks for ``--signal=SIGUSR1@90`` and ``--requeue``: on SIGUSR1 every
+rank stops after the same batch, ``checkpoints/last.ckpt`` is written and the job is requeued
+(:class:`~lowrank_lit.callbacks.ResumeCheckpoint`); it comes back with the same job id, hence the
+same run directory and W&B run, and resumes from the run's newest checkpoint.
 
 ``lowrank submit --sweep sweeps/x.yaml --array K`` submits K workers of ``lowrank sweep`` as one
 array job sharing one optuna journal file, so they split the trials.
@@ -77,7 +79,7 @@ def render_script(
             launch += f" --trainer.devices={gpus_per_node} --trainer.num_nodes={nodes}"
     else:
         ntasks = gpus_per_node
-        cmd = ["srun", python, "-m", "lowrank_lit", *(fit_args or []),
+        cmd = ["srun", "--kill-on-bad-exit=1", python, "-m", "lowrank_lit", *(fit_args or []),
                f"--trainer.num_nodes={nodes}", f"--trainer.devices={gpus_per_node}", "--trainer.strategy=ddp",
                "--trainer.accelerator=gpu"]
         launch = shlex.join(cmd)

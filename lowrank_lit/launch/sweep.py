@@ -4,9 +4,9 @@ The same ``sweeps/<slug>.yaml`` drives an online W&B sweep (``wandb sweep`` + ``
 this offline runner, which needs no W&B server:
 
 ==============  ==========================================
-W&B ``method``  optuna sampler
+W&B ``method``  trials
 ==============  ==========================================
-``grid``        :class:`optuna.samplers.GridSampler`
+``grid``        every combination, walked by the runner
 ``random``      :class:`optuna.samplers.RandomSampler`
 ``bayes``       :class:`optuna.samplers.TPESampler`
 ==============  ==========================================
