@@ -241,14 +241,24 @@ class ResumeCheckpoint(Checkpoint):
                 loader.attach_position(position)
 
     # ------------------------------------------------------------------ signals
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning registers its handlers just before the sanity check: replace them from here on (its
+        # SIGTERM handler issues a collective inside the handler, which can hang DDP ranks)
+        if not trainer.fast_dev_run:
+            self._install(trainer)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._attach_loaders(trainer)
-        # after Lightning's own handlers (registered when the run starts), which ours replace
         if trainer.fast_dev_run:
             return
         self._armed = True
-        if trainer.received_sigterm:  # arrived during set-up or the sanity check: stop after the first batch
-            self._received = "SIGTERM"
+        if trainer.received_sigterm:  # arrived before our handlers: stop after the first batch
+            self._received = self._received or "SIGTERM"
+        self._install(trainer)
+
+    def _install(self, trainer: Trainer) -> None:
+        if self._previous:
+            return
         for name in self.stop_signals:
             signum = getattr(signal, name, None)
             if signum is None:  # e.g. SIGUSR1 on Windows

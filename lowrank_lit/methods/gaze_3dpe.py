@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
+from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.heads import NUM_LANDMARKS, angles_from_gaze, landmarks
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import register_summary
@@ -275,7 +276,7 @@ def _load_encoder(encoder: ParamEncoder, ckpt: str) -> None:
     if not os.path.isfile(ckpt):
         raise FileNotFoundError(f"ThreeDPEGaze: encoder_ckpt={ckpt!r} does not exist (pretrain it with "
                                 "configs/gaze_3dpe/param_encoder_prior.yaml)")
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    state = load_checkpoint(ckpt, "ThreeDPEGaze: encoder_ckpt")["state_dict"]
     encoder.load_state_dict({k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")})
 
 

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
+from lowrank_lit.checkpoint import load_checkpoint
+
 __all__ = ["linear_alphas_cumprod", "GaussianPMP", "MixtureLowRankGaussianPMP", "UNetEps", "DiffusionTrainer", "digits_images",
            "DigitsMoLRG", "DigitsGaussianPMP", "TrainedUNetEps", "StableDiffusionEps"]
 
@@ -317,7 +319,7 @@ class TrainedUNetEps(UNetEps):
 
             if not os.path.isfile(ckpt):
                 raise FileNotFoundError(f"TrainedUNetEps: ckpt={ckpt!r} does not exist (train it with configs/shallow_diffuse/unet_digits_train.yaml)")
-            state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+            state = load_checkpoint(ckpt, "TrainedUNetEps: ckpt")["state_dict"]
             self.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
         self.eval().requires_grad_(False)
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.optim import WarmupCosineLR, matrix_param_groups
 
 __all__ = ["llama", "CausalLanguageModel", "PaddedCausalLM"]
@@ -97,7 +98,7 @@ class CausalLanguageModel(pl.LightningModule):
 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"CausalLanguageModel: init_from={path!r} does not exist")
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = load_checkpoint(path, "CausalLanguageModel: init_from")
         state = ckpt.get("state_dict", ckpt)
         try:
             missing, unexpected = self.load_state_dict(state, strict=False)

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.stream import run_seed
 from lowrank_lit.tta.base import SourceData, TTAMethod
 
@@ -40,7 +41,7 @@ def load_backbone(model: nn.Module, ckpt_path: str, prefix: str = "backbone.") -
     """Load the ``prefix``-ed weights of a Lightning checkpoint (e.g. an ``ImageClassifier``'s) into ``model``."""
     if not os.path.isfile(ckpt_path):
         raise FileNotFoundError(f"TTAModule: source_ckpt={ckpt_path!r} does not exist (train the source model first)")
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    state = load_checkpoint(ckpt_path, "TTAModule: source_ckpt")
     state = state.get("state_dict", state)
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} or state
     try:
