@@ -11,7 +11,20 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-__all__ = ["RNGStateCheckpoint"]
+__all__ = ["RNGStateCheckpoint", "gather_per_rank"]
+
+
+def gather_per_rank(trainer: Trainer, state: Any) -> list[Any]:
+    """Every rank's ``state`` (a list indexed by global rank; ``[state]`` in a single process).
+
+    For ``on_save_checkpoint``: ``trainer.save_checkpoint`` runs on every rank (rank 0 writes), so a
+    per-rank state (random generators) is gathered there and each rank takes its own back on resume.
+    """
+    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, state)
+        return gathered
+    return [state]
 
 
 class RNGStateCheckpoint(Callback):
@@ -58,11 +71,8 @@ class RNGStateCheckpoint(Callback):
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         states = self.collect()
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            # trainer.save_checkpoint runs on every rank (rank 0 writes): gather each rank's own states
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, states)
-            states = {**states, "per_rank": gathered}
+        if trainer.world_size > 1:
+            states = {**states, "per_rank": gather_per_rank(trainer, states)}
         checkpoint[self.KEY] = states
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

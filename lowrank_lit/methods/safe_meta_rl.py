@@ -654,13 +654,9 @@ class NeuralSafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
         self._gen.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * self.global_rank)  # per-rank stream
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = self._gen.get_state()
-        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
-            gathered: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, state)
-            checkpoint["rollout_generator"] = gathered
-        else:
-            checkpoint["rollout_generator"] = [state]
+        from lowrank_lit.callbacks.rng import gather_per_rank
+
+        checkpoint["rollout_generator"] = gather_per_rank(self.trainer, self._gen.get_state())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         states = checkpoint.get("rollout_generator")
