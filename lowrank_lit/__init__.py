@@ -5,3 +5,11 @@ pieces you need from their modules, e.g. ``from lowrank_lit.data import DigitsDa
 """
 
 __version__ = "0.1.0"
+
+#: The package order, top to bottom. A module imports only from its own package or a package further
+#: down this list (``tests/test_structure.py`` keeps it so, function-level imports included); the
+#: single modules at the end import nothing of the package.
+LAYERS = (
+    "__main__", "cli", "launch", "methods", "callbacks", "tta", "models", "data", "envs", "optim", "nn",
+    "linalg", "loggers", "report", "registry", "checkpoint", "hub", "metrics", "seeding",
+)

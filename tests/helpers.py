@@ -133,7 +133,7 @@ TINY_LLAMA = {"model_type": "llama", "vocab_size": 30522, "hidden_size": 32, "in
 
 def text_batch(max_length: int = 12) -> tuple[Any, Any]:
     """``(input_ids, attention_mask)`` of three short sentences, MiniLM-tokenised and right-padded."""
-    from lowrank_lit.models.text import load_tokenizer
+    from lowrank_lit.hub import load_tokenizer
 
     enc = load_tokenizer()(["the pizza was delicious .", "we talked about tennis and rice today .", "the movie was bad ."],
                            padding="max_length", max_length=max_length, return_tensors="pt")

@@ -92,3 +92,27 @@ def test_only_the_entry_point_imports_the_cli():
 def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "lowrank_lit"
+
+
+def test_every_package_is_in_the_package_order():
+    from lowrank_lit import LAYERS
+
+    packages = {_package(m) for m in import_graph()} - {"lowrank_lit"}
+    assert packages == set(LAYERS), sorted(packages ^ set(LAYERS))
+
+
+def test_imports_go_down_the_package_order():
+    """Package level: no module imports from a package above its own in ``lowrank_lit.LAYERS`` (so no package
+    cycle such as tta -> data -> models -> tta can form, even when every module-level edge looks harmless)."""
+    from lowrank_lit import LAYERS
+
+    rank = {p: i for i, p in enumerate(LAYERS)}
+    upward = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps
+                    if _package(m) != "lowrank_lit" and _package(d) != _package(m)
+                    and rank[_package(d)] <= rank[_package(m)])
+    assert not upward, upward

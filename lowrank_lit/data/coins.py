@@ -26,7 +26,8 @@ import lightning.pytorch as pl
 import torch
 
 from lowrank_lit.data.loader import ResumableDataLoader
-from lowrank_lit.data.stream import SeededBatches, run_seed, stream_loader
+from lowrank_lit.data.stream import SeededBatches, stream_loader
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["SOURCES", "CoinSource", "bayes_log_predictive", "CoinFlipDataModule", "check_tokens"]
 

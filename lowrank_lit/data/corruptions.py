@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lowrank_lit.data.digits import DigitsDataModule
-from lowrank_lit.data.stream import run_seed
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["CORRUPTIONS", "DEFAULT_LEVELS", "RESERVOIR_DOMAINS", "corrupt", "corruption_stream", "StreamDataset", "DigitsCorruptionDataModule"]
 

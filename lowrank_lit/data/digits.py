@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lowrank_lit.data.loader import ResumableDataLoader
-from lowrank_lit.data.stream import run_seed
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["DigitsDataModule"]
 

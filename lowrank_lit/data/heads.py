@@ -32,7 +32,8 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from lowrank_lit.data.stream import SeededBatches, run_seed, stream_loader
+from lowrank_lit.data.stream import SeededBatches, stream_loader
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["HeadParams", "DOMAINS", "sample_params", "rotation", "gaze_from_angles", "angles_from_gaze", "landmarks",
            "render_heads", "head_gaze", "SyntheticHeadDataModule", "NUM_LANDMARKS"]

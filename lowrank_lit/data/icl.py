@@ -38,9 +38,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from lowrank_lit.data.stream import run_seed
 from lowrank_lit.data.tensor import TensorDataModule
 from lowrank_lit.data.text_tasks import WORDS, _split_words
+from lowrank_lit.seeding import run_seed
 
 __all__ = [
     "normalised_option_loss", "ICLWorld", "make_icl_world", "SyntheticICLDataModule", "TextICLDataModule",
@@ -506,7 +506,7 @@ class TextICLDataModule(TensorDataModule):
                           collate_fn=_as_list)
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
-        from lowrank_lit.models.text import load_tokenizer
+        from lowrank_lit.hub import load_tokenizer
 
         cand, full = self._plan()
         tok = load_tokenizer(self.tokenizer_name)

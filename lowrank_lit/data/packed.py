@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lowrank_lit.data.loader import ResumableDataLoader
-from lowrank_lit.data.stream import run_seed
 from lowrank_lit.data.text import read_text_bytes
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["LENGTH_MIXES", "draw_lengths", "Planner", "SkrullBatchSampler", "PlannedSequences", "PackedSFTDataModule"]
 

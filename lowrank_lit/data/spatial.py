@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lowrank_lit.data.groups import GroupBatchSampler
 from lowrank_lit.data.loader import ResumableDataLoader
-from lowrank_lit.data.stream import run_seed
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["batch_effect_data", "gene_curves", "SyntheticSTDataModule", "SpatialTranscriptomicsDataModule"]
 

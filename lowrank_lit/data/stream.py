@@ -10,7 +10,6 @@ the same ``n_batches`` indices every epoch: raise ``n_batches`` rather than the 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,13 +17,9 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from lowrank_lit.data.loader import ResumableDataLoader
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["SeededBatches", "EpochSampler", "stream_loader", "run_seed"]
-
-
-def run_seed(seed: int | None = None) -> int:
-    """``seed``, or the run seed that ``seed_everything`` exported (``PL_GLOBAL_SEED``; 0 if none) when it is None."""
-    return int(seed) if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 class SeededBatches(Dataset):

@@ -232,7 +232,7 @@ class TemplatedTextDataModule(TensorDataModule):
         return [corrupt_text(t, self.noisy_copy_rate, rng) for t in texts]
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
-        from lowrank_lit.models.text import load_tokenizer
+        from lowrank_lit.hub import load_tokenizer
 
         tokenizer = load_tokenizer(self.tokenizer_name)
         out = {}
@@ -283,7 +283,7 @@ class TextClassificationDataModule(TensorDataModule):
         self.domain_names: list[str] | None = None
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
-        from lowrank_lit.models.text import load_tokenizer
+        from lowrank_lit.hub import load_tokenizer
 
         text_f, label_f, domain_f = self.fields
         records = {k: (_read_records(p) if p else None) for k, p in self.paths.items()}
@@ -373,7 +373,7 @@ class QADataModule(TensorDataModule):
         return ids, mask, labels, instance
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
-        from lowrank_lit.models.text import load_tokenizer
+        from lowrank_lit.hub import load_tokenizer
 
         tokenizer = load_tokenizer(self.tokenizer_name)
         return {k: (self.encode(tokenizer, _read_records(p), self.max_length) if p else None) for k, p in self.paths.items()}

@@ -49,11 +49,20 @@ from torch import nn
 
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.coins import CoinSource, bayes_log_predictive, check_tokens
-from lowrank_lit.data.stream import run_seed
 from lowrank_lit.nn.lora import LoRALinear, inject_adapters
 from lowrank_lit.nn.prompts import SoftPrompt
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import log_image, markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import (
+    find_runs,
+    last_values,
+    log_image,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+)
+from lowrank_lit.seeding import run_seed
 
 __all__ = [
     "SequencePredictor", "sequence_log_loss", "cumulative_regret", "exact_prefix_curves", "exact_prefix_regret", "MetaPretrainModule",
@@ -545,7 +554,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Regret at t = 50 and t = 200 per target, torso and method (mean over seeds), with the exact Bayes baselines."""
     import statistics
 
-    from lowrank_lit.report import find_runs, last_values, read_config
 
     # (target, torso, row) -> {"t50"|"t200": {key: value}}; a method's runs are keyed by run, the exact
     # baselines (the same in every run of a seed) by seed

@@ -34,7 +34,16 @@ from torch import nn
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.heads import NUM_LANDMARKS, angles_from_gaze, landmarks
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
+from lowrank_lit.report import (
+    find_runs,
+    last_values,
+    log_image,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+)
 
 __all__ = ["angular_loss", "gaze_zone", "ZONES", "gaze_align_loss", "domain_repel_loss", "ConceptBank", "ParamEncoder",
            "ParamEncoderModule", "FacePriorGazePredictor", "ThreeDPEGaze"]
@@ -139,7 +148,8 @@ class ConceptBank(nn.Module):
     @staticmethod
     def _minilm(phrases: list[str]) -> torch.Tensor:
         try:
-            from lowrank_lit.models.text import MINILM, SentenceEncoder, load_tokenizer
+            from lowrank_lit.hub import MINILM, load_tokenizer
+            from lowrank_lit.models.text import SentenceEncoder
 
             tok = load_tokenizer(MINILM)
             enc = SentenceEncoder(MINILM, trainable=False).eval()
@@ -430,7 +440,6 @@ class ThreeDPEGaze(pl.LightningModule):
             self.log("test/angle_deg", sum(means) / len(means), add_dataloader_idx=False)
         run_dir = getattr(self.trainer, "default_root_dir", None) if self._trainer is not None else None
         if self._grid and run_dir and not self.trainer.sanity_checking and self.trainer.is_global_zero:
-            from lowrank_lit.report import log_image
 
             names = [self.test_domains[k] if k < len(self.test_domains) else f"domain{k}" for k in sorted(self._grid)]
             path = plot_gaze_grid([self._grid[k] for k in sorted(self._grid)], names, os.path.join(run_dir, "gaze_grid.png"))
@@ -443,7 +452,6 @@ class ThreeDPEGaze(pl.LightningModule):
 def plot_gaze_grid(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], names: list[str], path: str) -> str:
     """One row of faces per domain ``(images (n, 3, S, S), true gaze (n, 3), predicted gaze (n, 3))`` with the
     true (green) and predicted (red) gaze drawn as arrows from the face centre (image-plane x, y of the gaze)."""
-    from lowrank_lit.report import new_figure, save_figure
 
     n = max(r[0].shape[0] for r in rows)
     fig, axes = new_figure(len(rows), n, figsize=(1.3 * n, 1.45 * len(rows)), squeeze=False)
@@ -468,7 +476,6 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Variant, seed, validation (source) error and the per-target errors and slices of each run."""
     from pathlib import Path
 
-    from lowrank_lit.report import last_values, read_config
 
     out = []
     for d in run_dirs:
@@ -493,7 +500,6 @@ def _ms(xs: list[float]) -> str:
 def summary(roots: list[str], out: str | None = None) -> str:
     """Markdown: per variant (mean ± std over seeds) the source validation error, each target domain's error and
     their mean; the cross-domain gap (target - source) and the |yaw| / IOD slices; the per-seed target means."""
-    from lowrank_lit.report import find_runs, markdown_table
 
     rows = summarize(find_runs(roots, "metrics.csv", required=True))
     if not rows:
@@ -526,7 +532,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
                  for s in seeds)] for v in by]
     text += "\n\n" + markdown_table(["variant", *(f"seed {s} target mean" for s in seeds)], per)
     if out:
-        from lowrank_lit.report import new_figure, save_figure
 
         fig, ax = new_figure(figsize=(7, 3.2))
         names = list(by)

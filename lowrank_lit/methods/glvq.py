@@ -47,7 +47,16 @@ from torch import nn
 
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import (
+    find_runs,
+    last_values,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+    save_rows,
+)
 
 __all__ = [
     "mulaw",
@@ -628,7 +637,6 @@ class GLVQ(pl.Callback):
         for logger in trainer.loggers:
             logger.log_metrics({f"glvq/{r['layer']}/{k}": r[k] for r in self.report for k in ("rel_error", "bits_per_weight")}, step=0)
         if trainer.is_global_zero and trainer.loggers and os.path.isdir(trainer.default_root_dir):
-            from lowrank_lit.report import save_rows
 
             save_rows(trainer, self.report, "quantization.csv")
             torch.save(pl_module.state_dict(), os.path.join(trainer.default_root_dir, "quantized.pt"))
@@ -638,7 +646,6 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Method, bits, per-layer relative error, bits per weight and test accuracy of quantization runs."""
     import csv
 
-    from lowrank_lit.report import last_values, read_config
 
     rows = []
     for d in run_dirs:
@@ -656,7 +663,6 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
 @register_summary("glvq")
 def summary(roots: list[str], out: str | None = None) -> str:
     """GLVQ / scalar-lattice / RTN quantization runs: per-layer error, stored bits, test accuracy (and a bar plot)."""
-    from lowrank_lit.report import find_runs
 
     dirs = find_runs(roots, "quantization.csv", required=True)
     rows = summarize(dirs)

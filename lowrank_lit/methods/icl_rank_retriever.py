@@ -54,7 +54,15 @@ from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.icl import ICL_LOSSES, ICLWorld, ScoreCache, normalised_option_loss
 from lowrank_lit.optim import linear_warmup
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import (
+    find_runs,
+    last_values,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+)
 
 __all__ = [
     "sedpo_loss", "sedpo_loss_from_scores", "inbatch_infonce_loss", "PreferencePairBuilder", "LikelihoodScorer",
@@ -300,7 +308,8 @@ class LikelihoodScorer:
     def __init__(self, backbone: str = "EleutherAI/gpt-neo-2.7B", backbone_config: dict[str, Any] | None = None,
                  tokenizer: str | None = None, max_length: int | None = None, batch_size: int = 16,
                  separator: str = "\n", dtype: str = "float32", device: str = "cpu") -> None:
-        from lowrank_lit.models.text import load_backbone, load_tokenizer
+        from lowrank_lit.hub import load_tokenizer
+        from lowrank_lit.models.text import load_backbone
 
         if dtype not in self.DTYPES:
             raise ValueError(f"LikelihoodScorer: dtype={dtype!r}; allowed: {', '.join(self.DTYPES)}")
@@ -764,7 +773,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Markdown table per loss (and the baselines): Spearman over the pool and top-1 accuracy, per seed and mean."""
     import statistics
 
-    from lowrank_lit.report import find_runs, last_values, read_config
 
     rows: dict[str, dict[int, dict[str, float]]] = {}
     for d in find_runs(roots, "metrics.csv", required=True):

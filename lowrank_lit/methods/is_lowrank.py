@@ -37,7 +37,17 @@ import torch
 
 from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import class_label, markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import (
+    class_label,
+    find_runs,
+    last_values,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+    save_rows,
+)
 
 __all__ = [
     "LowRankAdam",
@@ -256,7 +266,6 @@ class SubspaceOverlap(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.rows.append({"step": trainer.global_step, "overlap": "", "erank": self._erank()})
         if trainer.is_global_zero and trainer.loggers and os.path.isdir(trainer.default_root_dir):
-            from lowrank_lit.report import save_rows
 
             save_rows(trainer, self.rows, "subspace.csv")
 
@@ -285,7 +294,6 @@ def _run_summary(run_dir: str) -> dict[str, Any]:
     """Optimizer label, seed, final val/loss, late projector overlap and final effective rank of one run."""
     import csv
 
-    from lowrank_lit.report import last_values, read_config
 
     cfg = read_config(run_dir)
     opt = cfg["model"]["init_args"]["optimizer"]
@@ -331,7 +339,6 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
 @register_summary("is_lowrank")
 def summary(roots: Sequence[str], out: str | None = None) -> str:
     """Char-LM runs of AdamW, GaLore and importance-sampled LowRankAdam (and the projector-overlap plot)."""
-    from lowrank_lit.report import find_runs
 
     dirs = find_runs(roots, "subspace.csv", required=True)
     rows = [_run_summary(d) for d in dirs]

@@ -36,9 +36,19 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lowrank_lit.data.stream import SeededBatches, run_seed, stream_loader
+from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
+from lowrank_lit.report import (
+    find_runs,
+    log_image,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+    save_rows,
+)
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context", "VanillaRNN", "CognitiveStreamDataModule", "WhatHowModule"]
 
@@ -570,7 +580,6 @@ class WhatHowModule(pl.LightningModule):
     def on_train_end(self) -> None:
         if not self.matrix or not self.trainer.is_global_zero or not self.trainer.default_root_dir:
             return
-        from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
 
         save_rows(self.trainer, self.matrix, "forgetting.csv")
         tasks = self._dm.eval_tasks
@@ -591,7 +600,6 @@ class WhatHowModule(pl.LightningModule):
     def _plot_epochs(self) -> None:
         """``inferred_epochs.png``: per trained task, one trial's filtered posterior (image) and the true epochs."""
         from lowrank_lit.data.cognitive import EPOCHS, make_trials
-        from lowrank_lit.report import new_figure, save_figure
 
         tasks = [t for t in self._dm.eval_tasks if t in self.what.trans]
         fig, axes = new_figure(len(tasks), 1, figsize=(7, 1.3 * len(tasks)), squeeze=False)
@@ -631,7 +639,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
     import statistics as st
     from pathlib import Path
 
-    from lowrank_lit.report import find_runs, markdown_table, read_config
 
     by: dict[str, list[list[dict[str, str]]]] = {}
     for d in find_runs(roots, "forgetting.csv", required=True):
@@ -666,7 +673,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
     text += "\n\n" + markdown_table(["method", "runs", f"{trained[0]} drop", "largest forgetting of a trained task",
                                      *(f"{t} zero-shot" for t in unseen)], crit)
     if out:
-        from lowrank_lit.report import new_figure, save_figure
 
         fig, axes = new_figure(1, len(order), figsize=(3.4 * len(order), 2.6), squeeze=False)
         for ax, m in zip(axes[0], order, strict=True):

@@ -36,9 +36,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowrank_lit.data.stream import SeededBatches, run_seed, stream_loader
+from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure, save_rows
+from lowrank_lit.report import (
+    find_runs,
+    last_values,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+    save_rows,
+)
+from lowrank_lit.seeding import run_seed
 
 __all__ = [
     "MaskedBlockDataModule", "masked_block_batch", "LinearAttentionTransformer", "MaskedBlockICL",
@@ -417,7 +427,6 @@ def eagle_solve_distributed(A_local: torch.Tensor, B_local: torch.Tensor, C: tor
 @register_summary("masked_block_icl")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Test MSE vs the zero predictor per regime and depth (median improvement), with the extracted structure."""
-    from lowrank_lit.report import find_runs, last_values, read_config
 
     rows = []
     figure_run = None

@@ -41,7 +41,16 @@ from torch import nn
 
 from lowrank_lit.optim import SeededOptimizer
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import class_label, markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import (
+    class_label,
+    find_runs,
+    last_values,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+)
 
 __all__ = ["NanoAdam", "bottom_k_mask", "select_indices", "kept_count", "grad_weight_correlation", "GradWeightCorrelation"]
 
@@ -320,7 +329,6 @@ def _run_rows(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Optimizer label, lr, seed and the test metrics of each split-digits run directory."""
     import os
 
-    from lowrank_lit.report import last_values, read_config
 
     rows = []
     for d in run_dirs:
@@ -373,7 +381,6 @@ def plot_summary(rows: list[dict[str, Any]], out: str, lr: float | None = None) 
 @register_summary("nanoadam")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Split-digits fine-tuning runs (NanoAdam, its ablations, AdamW); --out: bars of the largest lr's results."""
-    from lowrank_lit.report import find_runs
 
     rows = _run_rows(find_runs(roots, "config.yaml"))
     if not rows:

@@ -39,6 +39,7 @@ from lowrank_lit.linalg import (
     symmetric_noise,
 )
 from lowrank_lit.registry import register_method
+from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
 
 __all__ = [
     "best_rank_p_inverse",
@@ -231,8 +232,6 @@ class PinvBoundStudy(pl.LightningModule):
     def _report(self, table: list[dict], slopes: dict, violations: int) -> None:
         import os
 
-        from lowrank_lit.report import log_image, save_rows
-
         save_rows(self.trainer, table, "pinv_bounds.csv")
         print(f"{'matrix':14s} {'p':>3s} {'sigma/max':>9s} {'||E||':>9s} {'error':>9s} {'contour':>9s} "
               f"{'EYM-N':>9s} {'cont/err':>8s} {'eym/err':>8s} gap  viol")
@@ -251,7 +250,6 @@ class PinvBoundStudy(pl.LightningModule):
 
 
 def _plot_study(table: list[dict], path: str) -> None:
-    from lowrank_lit.report import new_figure, save_figure
 
     names = list(dict.fromkeys(t["matrix"] for t in table))
     fig, axes = new_figure(1, len(names), figsize=(3.2 * len(names), 3.0), squeeze=False)

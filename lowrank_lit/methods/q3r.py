@@ -50,7 +50,7 @@ from torch import nn
 from lowrank_lit.nn.lowrank_linear import svd_factorize
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import log_image, markdown_table, new_figure, register_summary, save_figure, save_rows
 
 __all__ = [
     "EPS_SCHEDULES",
@@ -561,7 +561,6 @@ class TruncationEval(Callback):
     def _report(trainer: Trainer, rows: list[dict[str, float]]) -> None:
         import os
 
-        from lowrank_lit.report import log_image, save_rows
 
         save_rows(trainer, rows, "truncation.csv")
         for logger in trainer.loggers:

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import class_label, markdown_table, register_summary
+from lowrank_lit.report import class_label, find_runs, markdown_table, read_config, register_summary
 from lowrank_lit.tta.base import TTAMethod, TTAWrapper, entropy
 
 __all__ = ["StyleExtractor", "ReservoirTTA"]
@@ -324,8 +324,7 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     import csv
     import os
 
-    from lowrank_lit.report import read_config
-    from lowrank_lit.tta.module import purity
+    from lowrank_lit.metrics import purity
 
     out = []
     for d in run_dirs:
@@ -359,7 +358,6 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 @register_summary("reservoir_tta")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Error per recurrence of test-time adaptation runs (and a plot, one line per run)."""
-    from lowrank_lit.report import find_runs
     from lowrank_lit.tta.module import plot_recurrence
 
     dirs = find_runs(roots, "tta_batches.csv", required=True)

@@ -42,7 +42,17 @@ from lightning.pytorch.callbacks import Callback
 from lowrank_lit.envs.continuous import ContinuousFamily
 from lowrank_lit.envs.gridnav import SafeGridNav
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
+from lowrank_lit.report import (
+    class_label,
+    find_runs,
+    log_image,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+    save_rows,
+)
 
 __all__ = ["InfeasibleAnchorError", "tilt", "constraint_value", "dual_objective", "solve_dual", "safe_adapt",
            "sample_weights", "tabular_policy_gradient", "hessian_free_meta_grad", "second_order_meta_grad",
@@ -310,7 +320,7 @@ class TaskDataModule(pl.LightningDataModule):
         return ResumableDataLoader(ds, batch_size=None, shuffle=False)  # an interrupted run skips the meta-steps it took
 
     def train_dataloader(self) -> Any:
-        from lowrank_lit.data.stream import run_seed
+        from lowrank_lit.seeding import run_seed
 
         rank = self.trainer.global_rank if self.trainer is not None else 0
         return self._loader(_TaskBatches(self.train_tasks, self.tasks_per_batch, self.steps_per_epoch, run_seed(self.seed), rank))
@@ -486,7 +496,6 @@ class SafetyMonitor(Callback):
             pl_module.log(f"{stage}/step{k}/J_c", sum(r["J_c"] for r in at) / len(at))
         if not trainer.is_global_zero or not trainer.default_root_dir:
             return
-        from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
 
         save_rows(trainer, rows, f"adaptation_{stage}.csv")
         fig, axes = new_figure(1, 2, figsize=(8, 3))
@@ -565,7 +574,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
     import statistics as st
     from pathlib import Path
 
-    from lowrank_lit.report import class_label, find_runs, markdown_table, read_config
 
     by: dict[str, list[tuple[list[dict[str, str]], list[float]]]] = {}
     for d in find_runs(roots, "adaptation_test.csv", required=True):

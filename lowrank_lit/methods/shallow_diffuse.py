@@ -42,7 +42,17 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
+from lowrank_lit.report import (
+    find_runs,
+    last_values,
+    log_image,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+    save_rows,
+)
 
 __all__ = ["DDIMSampler", "RingKey", "ShallowDiffuse", "tree_ring", "pmp_jacobian", "rank_ratio", "null_space_fraction",
            "ATTACKS", "attack", "psnr", "NoiseDataModule", "ShallowDiffuseEval", "summary"]
@@ -470,7 +480,6 @@ class ShallowDiffuseEval(pl.LightningModule):
     def _save(self, curves: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         import os
 
-        from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
 
         save_rows(self.trainer, self.rows, "watermark_scores.csv")
         save_rows(self.trainer, self.attack_rows, "watermark_attacks.csv")
@@ -507,15 +516,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
     (TPR at 1 % FPR) of every attack; ``out``: the rank-ratio-vs-t plot of the runs."""
     import csv
     from pathlib import Path
-
-    from lowrank_lit.report import (
-        find_runs,
-        last_values,
-        markdown_table,
-        new_figure,
-        read_config,
-        save_figure,
-    )
 
     rows, attacks, ranks = [], [], {}
     for d in find_runs(roots, "watermark_attacks.csv", required=True):

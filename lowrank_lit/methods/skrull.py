@@ -52,7 +52,14 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
+from lowrank_lit.report import (
+    find_runs,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+)
 
 __all__ = ["SkrullSFTModule", "SkrullPlanner", "micro_batch_loss", "SchedulingError", "SkrullCostModel", "fit_memory", "saved_tensor_bytes", "dacp_plan", "gds_plan",
            "baseline_plan", "sorted_plan", "dacp_only_plan", "skrull_plan", "simulate_iteration", "plan_tokens"]
@@ -538,7 +545,6 @@ def plot_plan(lengths: Sequence[int], plans: dict[str, Sequence[MicroBatch]], co
     """Gantt chart of one DP rank's micro-batches under each named plan: per CP rank, local compute (solid),
     K/V communication of the sharded sequences (hatched, overlapping local compute when the plan overlaps) and
     the sharded sequences' compute (light); micro-batches one after the other."""
-    from lowrank_lit.report import new_figure, save_figure
 
     lens = list(lengths)
     fig, axes = new_figure(nrows=len(plans), figsize=(9, 1.2 + 0.28 * cp * len(plans)), squeeze=False)
@@ -578,7 +584,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
     import statistics as st
     from pathlib import Path
 
-    from lowrank_lit.report import find_runs, markdown_table, read_config
 
     by: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     for d in find_runs(roots, "metrics.csv", required=True):

