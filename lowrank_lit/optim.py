@@ -102,6 +102,21 @@ def matrix_param_groups(module: nn.Module, dense: tuple[str, ...] | list[str] = 
     return [g for g in groups if g["params"]]
 
 
+def adam_moments_(m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, b1: float, b2: float) -> None:
+    """Adam's moment update in place: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``.
+
+    The one moment update of the framework's Adam-type optimizers (NanoAdam's sparse and dense paths,
+    LowRankAdam); each keeps its own bias-correction form, as its paper writes it.
+    """
+    m.mul_(b1).add_(grad, alpha=1 - b1)
+    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+
+
+def bias_corrections(b1: float, b2: float, n: int) -> tuple[float, float]:
+    """Adam's bias-correction denominators ``(1 - b1^n, 1 - b2^n)`` after ``n`` updates."""
+    return 1 - b1**n, 1 - b2**n
+
+
 class SeededOptimizer(torch.optim.Optimizer):
     """Base of the framework's Adam-type optimizers that draw random numbers and keep non-float state.
 

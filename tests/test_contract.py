@@ -23,7 +23,11 @@ def _page(slug: str):
 
 
 def _test_file(slug: str):
-    return next((p for p in (ROOT / "tests" / "methods" / f"test_{slug}.py", ROOT / "tests" / f"test_{slug}.py") if p.is_file()), None)
+    """The method's main test file: ``tests/methods/test_<slug>.py`` or ``tests/methods/<slug>/test_<slug>.py``
+    (the baseline, not a paper's method: ``tests/test_baseline.py``)."""
+    methods = ROOT / "tests" / "methods"
+    candidates = (methods / f"test_{slug}.py", methods / slug / f"test_{slug}.py", ROOT / "tests" / f"test_{slug}.py")
+    return next((p for p in candidates if p.is_file()), None)
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.slug)
@@ -58,6 +62,28 @@ def test_method_has_tests_and_a_slow_must_show(method):
     path = _test_file(method.slug)
     assert path is not None, f"no tests/methods/test_{method.slug}.py"
     assert "@pytest.mark.slow" in path.read_text(), f"{path.name}: no @pytest.mark.slow must-show test"
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.slug)
+def test_method_tests_live_in_one_place(method):
+    """One home per method: a file ``tests/methods/test_<slug>.py`` or a folder ``tests/methods/<slug>/``, not both,
+    and no test module elsewhere imports the method's module at its top (cross-cutting tests import inside a test)."""
+    import ast
+
+    slug = method.slug
+    methods = ROOT / "tests" / "methods"
+    assert not ((methods / f"test_{slug}.py").is_file() and (methods / slug).is_dir()), f"{slug}: a file and a folder"
+    home = methods / slug if (methods / slug).is_dir() else _test_file(slug)
+    strays = []
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        if path == home or home in path.parents:
+            continue
+        for node in ast.parse(path.read_text()).body:  # module level only
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in getattr(node, "names", [])] \
+                if isinstance(node, ast.Import) else []
+            if any(n == f"lowrank_lit.methods.{slug}" or n.startswith(f"lowrank_lit.methods.{slug}.") for n in names):
+                strays.append(path.relative_to(ROOT).as_posix())
+    assert not strays, f"{slug}: tests outside {home.relative_to(ROOT)}: {strays}"
 
 
 def test_summarize_cli_errors_name_the_choices(capsys):

@@ -35,7 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lowrank_lit.optim import SeededOptimizer
+from lowrank_lit.optim import SeededOptimizer, adam_moments_, bias_corrections
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
     class_label,
@@ -200,10 +200,9 @@ class LowRankAdam(SeededOptimizer):
             state["exp_avg"] = torch.zeros_like(grad)
             state["exp_avg_sq"] = torch.zeros_like(grad)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        n = t + 1  # bias-correction count
-        m.mul_(b1).add_(grad, alpha=1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        step_size = lr * math.sqrt(1 - b2**n) / (1 - b1**n)
+        adam_moments_(m, v, grad, b1, b2)
+        bc1, bc2 = bias_corrections(b1, b2, t + 1)
+        step_size = lr * math.sqrt(bc2) / bc1
         norm = m / (v.sqrt() + eps)
         if lowrank:
             P = state["projector"]

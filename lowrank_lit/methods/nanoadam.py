@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lowrank_lit.optim import SeededOptimizer
+from lowrank_lit.optim import SeededOptimizer, adam_moments_, bias_corrections
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
     class_label,
@@ -237,14 +237,13 @@ class NanoAdam(SeededOptimizer):
             self._refresh(p, state, group, k_new)
         state["local_step"] += 1
         n = state["local_step"]
-        bc1, bc2 = 1 - b1**n, 1 - b2**n
+        bc1, bc2 = bias_corrections(b1, b2, n)
         flat = p.view(-1)
         idx = state["idx"]
         if self.compact_state:
             g = p.grad.reshape(-1)[idx]  # (k,)
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            adam_moments_(m, v, g, b1, b2)
             upd = (m / bc1) / ((v / bc2).sqrt() + eps)
             w = flat[idx]
             if wd:
@@ -254,8 +253,7 @@ class NanoAdam(SeededOptimizer):
             mask = state["mask"]
             g = torch.where(mask, p.grad.reshape(-1), torch.zeros((), dtype=p.dtype, device=p.device))
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            adam_moments_(m, v, g, b1, b2)
             upd = (m / bc1) / ((v / bc2).sqrt() + eps)
             new = flat * (1 - lr * wd) - lr * upd if wd else flat - lr * upd
             flat.copy_(torch.where(mask, new, flat))
@@ -265,11 +263,9 @@ class NanoAdam(SeededOptimizer):
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
-        n = state.get("step", 0) + 1
-        bc1, bc2 = 1 - b1**n, 1 - b2**n
+        bc1, bc2 = bias_corrections(b1, b2, state.get("step", 0) + 1)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(b1).add_(p.grad, alpha=1 - b1)
-        v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+        adam_moments_(m, v, p.grad, b1, b2)
         if wd:
             p.mul_(1 - lr * wd)
         p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)

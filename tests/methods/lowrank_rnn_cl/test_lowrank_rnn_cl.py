@@ -1,6 +1,6 @@
 """What/how continual learning (paper 15): the stream module's stages, freezing (property 3), configs end to end,
 resume in the middle of the stream, and the reproduction (slow). Properties 1, 2, 4-7 are in
-tests/test_lowrank_rnn_cl.py."""
+tests/methods/lowrank_rnn_cl/test_components.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """3DPE-Gaze (paper 10): the gaze module's variants and stages, the predictor's heads, real-data loading, every
 config end to end, the summary, and the cross-domain reproduction (slow). The renderer and the losses are tested
-in tests/test_heads.py and tests/test_gaze_components.py."""
+in tests/methods/gaze_3dpe/test_heads.py and tests/methods/gaze_3dpe/test_components.py."""
 
 from __future__ import annotations
 
