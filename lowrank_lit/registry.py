@@ -23,8 +23,17 @@ from typing import TypeVar
 
 __all__ = ["MethodInfo", "register_method", "registered_methods", "get_method", "load_all", "scan_methods", "KINDS"]
 
-#: Kinds a registered component may have (what a user imports it as).
-KINDS = ("LightningModule", "Callback", "Optimizer", "Loss", "Module", "DataModule", "Analysis", "Sampler")
+#: Kinds a registered component may have (what a user imports it as), each with the base class it has
+#: (``tests/test_contract.py`` checks every registered class against it, and one behaviour per kind):
+#:
+#: * ``LightningModule``: a training scheme or model (``lightning.pytorch.LightningModule``);
+#: * ``Callback``: a regularizer or post-training step attached to any run (``lightning.pytorch.Callback``);
+#: * ``Optimizer``: a ``torch.optim.Optimizer``;
+#: * ``Loss``: an ``nn.Module`` returning a differentiable scalar;
+#: * ``Layer``: an ``nn.Module`` inserted into a model (prompts, adapters);
+#: * ``TTAMethod``: a test-time adaptation rule (:class:`lowrank_lit.tta.base.TTAMethod`);
+#: * ``Analysis``: a ``LightningModule`` that evaluates and trains nothing (run by ``lowrank test``).
+KINDS = ("LightningModule", "Callback", "Optimizer", "Loss", "Layer", "TTAMethod", "Analysis")
 
 _SLUG_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 T = TypeVar("T")

@@ -42,7 +42,7 @@ CAPSULE_VARIANTS = ("add", "prepend", "conv", "proj")
 CAPSULE_INITS = ("zeros", "normal")
 
 
-@register_method("capt", kind="Module", paper=PAPER)
+@register_method("capt", kind="Layer", paper=PAPER)
 class CapsulePrompt(PromptModule):
     """CaPT: one capsule per layer, ``S_i = p_i + Mean(input of layer i)``, at position 0.
 

@@ -290,7 +290,7 @@ def _load_encoder(encoder: ParamEncoder, ckpt: str) -> None:
     encoder.load_state_dict({k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")})
 
 
-@register_method("gaze_3dpe", kind="Module", paper=PAPER)
+@register_method("gaze_3dpe", kind="LightningModule", paper=PAPER)
 class ThreeDPEGaze(pl.LightningModule):
     """Gaze estimation with the frozen face prior, landmark cross-attention and text concepts (module docstring).
 

@@ -435,7 +435,7 @@ class CognitiveStreamDataModule(pl.LightningDataModule):
 METHODS = ("what_how", "oracle", "vanilla")
 
 
-@register_method("lowrank_rnn_cl", kind="Module", paper=PAPER)
+@register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER)
 class WhatHowModule(pl.LightningModule):
     """Continual learning over the task stream of :class:`CognitiveStreamDataModule`.
 

@@ -44,7 +44,7 @@ __all__ = ["DecomposedMoEPrompt", "routing_purity", "svd_init_prompt"]
 PAPER = "PT-MoE: Mixture-of-Experts in Prompt Tuning"
 
 
-@register_method("pt_moe", kind="Module", paper=PAPER)
+@register_method("pt_moe", kind="Layer", paper=PAPER)
 class DecomposedMoEPrompt(PromptModule):
     """PT-MoE: N decomposed prompts ``P_i = A_i B`` (shared B) picked per input by a noisy router.
 

@@ -119,7 +119,7 @@ class StyleExtractor(nn.Module):
         return torch.cat(parts)  # (sum of channels,)
 
 
-@register_method("reservoir_tta", kind="Module", paper=PAPER)
+@register_method("reservoir_tta", kind="TTAMethod", paper=PAPER)
 class ReservoirTTA(TTAWrapper):
     """A reservoir of copies of ``method``'s adapted state, one per discovered domain (see module docstring).
 

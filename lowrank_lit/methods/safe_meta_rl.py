@@ -376,7 +376,7 @@ class _MetaTestMixin:
         self._eval(batch, "test")
 
 
-@register_method("safe_meta_rl", kind="Module", paper=PAPER)
+@register_method("safe_meta_rl", kind="LightningModule", paper=PAPER)
 class SafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
     """Safe meta-training of tabular softmax logits on a :class:`lowrank_lit.envs.SafeGridNav` family, and
     meta-testing by ``adapt_steps`` successive adaptation steps on each held-out task (manual optimisation).

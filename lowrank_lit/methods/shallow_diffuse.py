@@ -361,7 +361,7 @@ class NoiseDataModule(pl.LightningDataModule):
         return DataLoader(_Noises(self.n, self.shape, self.batch_size, self.seed), batch_size=None)
 
 
-@register_method("shallow_diffuse", kind="Module", paper=PAPER)
+@register_method("shallow_diffuse", kind="Analysis", paper=PAPER)
 class ShallowDiffuseEval(pl.LightningModule):
     """Embed a watermark into images generated from each initial noise, attack them, detect (``lowrank test``).
 

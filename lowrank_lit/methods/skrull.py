@@ -474,7 +474,7 @@ def micro_batch_loss(model: Any, seqs: Sequence[torch.Tensor], total_targets: in
     return packed_loss(model, seqs, [0] * len(seqs), 0, 1, total_targets)
 
 
-@register_method("skrull", kind="Module", paper=PAPER)
+@register_method("skrull", kind="LightningModule", paper=PAPER)
 class SkrullSFTModule(pl.LightningModule):
     """Causal LM fine-tuning over Skrull-scheduled micro-batches (manual optimisation, one step per global batch).
 

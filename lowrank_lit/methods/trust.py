@@ -205,7 +205,7 @@ class _PseudoLabelMixin:
             return self.model(x)
 
 
-@register_method("trust", kind="Module", paper=PAPER)
+@register_method("trust", kind="TTAMethod", paper=PAPER)
 class TRUST(_PseudoLabelMixin, TTAMethod):
     """TRUST test-time adaptation (see the module docstring); run it inside ``lowrank_lit.tta.TTAModule``.
 
