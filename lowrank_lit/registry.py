@@ -1,8 +1,9 @@
 """Method registry behind ``lowrank list``.
 
-Each paper's module registers its public component once::
+Each paper's module registers its public component once, naming the function of the same module that
+turns its runs into a result table (``lowrank summarize <slug>``)::
 
-    @register_method("q3r", kind="Callback", paper="Q3R: quadratic reweighted rank regularizer")
+    @register_method("q3r", kind="Callback", paper="Q3R: quadratic reweighted rank regularizer", summary="compare")
     class Q3R(Callback): ...
 
 The registry only records metadata; it never imports heavy libraries. :func:`load_all` imports
@@ -17,7 +18,7 @@ import ast
 import importlib
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -48,14 +49,15 @@ class MethodInfo:
         kind: one of :data:`KINDS`.
         paper: paper title.
         target: dotted import path of the registered object.
-        components: further public objects of the method (dotted paths).
+        summary: dotted path of the method's summary function ``fn(roots, out=None, **options) -> markdown``
+            (``lowrank summarize <slug>``), or None.
     """
 
     slug: str
     kind: str
     paper: str
     target: str
-    components: tuple[str, ...] = field(default=())
+    summary: str | None = None
 
     def configs(self, root: Path | None = None) -> list[str]:
         """Config files of this method, relative to the project root (sorted)."""
@@ -67,13 +69,15 @@ class MethodInfo:
 _REGISTRY: dict[str, MethodInfo] = {}
 
 
-def register_method(slug: str, kind: str, paper: str) -> Callable[[T], T]:
+def register_method(slug: str, kind: str, paper: str, summary: str | None = None) -> Callable[[T], T]:
     """Class/function decorator that registers a method component under ``slug``.
 
     Args:
         slug: snake_case method name, e.g. ``"q3r"``; must match ``configs/<slug>/``.
         kind: what the component is, one of :data:`KINDS`.
         paper: the paper title.
+        summary: name of the function in the same module that summarizes the method's runs
+            (``fn(roots, out=None, **options) -> markdown``; its docstring's first line is its help). Default: None.
 
     Raises:
         ValueError: if ``slug`` is not snake_case, ``kind`` is unknown, or ``slug`` is already
@@ -85,26 +89,24 @@ def register_method(slug: str, kind: str, paper: str) -> Callable[[T], T]:
         raise ValueError(f"register_method: kind={kind!r} is not one of {', '.join(KINDS)}")
 
     def decorator(obj: T) -> T:
-        _record(_REGISTRY, slug, kind, paper, f"{obj.__module__}.{obj.__qualname__}")
+        _record(_REGISTRY, slug, kind, paper, f"{obj.__module__}.{obj.__qualname__}",
+                f"{obj.__module__}.{summary}" if summary else None)
         return obj
 
     return decorator
 
 
-def _record(table: dict[str, MethodInfo], slug: str, kind: str, paper: str, target: str) -> None:
-    """Enter one registration into ``table``: a new slug, or a further component of the same method.
+def _record(table: dict[str, MethodInfo], slug: str, kind: str, paper: str, target: str,
+            summary: str | None = None) -> None:
+    """Enter one registration into ``table`` (registering the same object again is a no-op).
 
     Raises:
-        ValueError: ``slug`` is already registered to another object with a different kind or paper.
+        ValueError: ``slug`` is already registered to another object (one registered component per method).
     """
     old = table.get(slug)
-    if old is None:
-        table[slug] = MethodInfo(slug, kind, paper, target)
-    elif target not in (old.target, *old.components):
-        if old.kind != kind or old.paper != paper:
-            raise ValueError(f"register_method: slug {slug!r} is already registered to {old.target}")
-        # a second component of the same method (e.g. a loss and its module)
-        table[slug] = MethodInfo(slug, kind, paper, old.target, (*old.components, target))
+    if old is not None and old.target != target:
+        raise ValueError(f"register_method: slug {slug!r} is already registered to {old.target}")
+    table[slug] = MethodInfo(slug, kind, paper, target, summary)
 
 
 def project_root() -> Path:
@@ -117,15 +119,10 @@ def load_all(slugs: Iterable[str] | None = None) -> None:
     """Import every module that registers a method (found by :func:`scan_methods`), so their decorators run.
 
     Args:
-        slugs: import only the modules of these methods (all of a method's components). Default: all.
+        slugs: import only the modules of these methods. Default: all.
     """
     wanted = None if slugs is None else set(slugs)
-    modules = {
-        target.rpartition(".")[0]
-        for info in scan_methods()
-        if wanted is None or info.slug in wanted
-        for target in (info.target, *info.components)
-    }
+    modules = {info.target.rpartition(".")[0] for info in scan_methods() if wanted is None or info.slug in wanted}
     for module in sorted(modules):
         importlib.import_module(module)
 
@@ -143,8 +140,8 @@ def get_method(slug: str) -> MethodInfo:
         raise KeyError(f"unknown method {slug!r}; registered: {', '.join(sorted(_REGISTRY)) or '(none)'}") from None
 
 
-def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[str, str, str] | None:
-    """``(slug, kind, paper)`` of a ``@register_method("slug", kind=..., paper=...)`` decorator, else None."""
+def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[str, str, str, str | None] | None:
+    """``(slug, kind, paper, summary)`` of a ``@register_method("slug", kind=..., paper=..., summary=...)`` decorator, else None."""
     if not isinstance(node, ast.Call):
         return None
     func = node.func
@@ -161,8 +158,8 @@ def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[
 
     args = [value(a) for a in node.args]
     kwargs = {k.arg: value(k.value) for k in node.keywords if k.arg}
-    fields = dict(zip(("slug", "kind", "paper"), args, strict=False)) | kwargs
-    return fields["slug"], fields["kind"], fields["paper"]
+    fields = dict(zip(("slug", "kind", "paper", "summary"), args, strict=False)) | kwargs
+    return fields["slug"], fields["kind"], fields["paper"], fields.get("summary")
 
 
 def scan_methods(package_dir: Path | None = None) -> list[MethodInfo]:
@@ -193,5 +190,6 @@ def scan_methods(package_dir: Path | None = None) -> list[MethodInfo]:
                 reg = _decorator_registration(dec, constants)
                 if reg is None:
                     continue
-                _record(found, *reg, f"{module}.{node.name}")
+                slug, kind, paper, summary = reg
+                _record(found, slug, kind, paper, f"{module}.{node.name}", f"{module}.{summary}" if summary else None)
     return [found[k] for k in sorted(found)]

@@ -1,8 +1,8 @@
 """A run's results: writing tables and plots (run directory, and W&B when configured), and reading runs back.
 
-Method summaries: each method registers one function that turns its runs into a markdown table (and
-optionally a figure) with :func:`register_summary`; ``lowrank summarize <slug> <run-root>... [--out FILE]``
-finds it through the registry and runs it. The pieces they share live here: :func:`markdown_table`,
+Method summaries: each method names, in its registration (``register_method(..., summary="summary")``),
+the function that turns its runs into a markdown table (and optionally a figure);
+``lowrank summarize <slug> <run-root>... [--out FILE]`` finds it through the registry and runs it. The pieces they share live here: :func:`markdown_table`,
 :func:`class_label` (a run label from a config entry), :func:`new_figure` / :func:`save_figure`.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 __all__ = [
     "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs",
     "markdown_table", "class_label", "new_figure", "save_figure",
-    "Summary", "register_summary", "get_summary", "summarize_main",
+    "Summary", "get_summary", "summarize_main",
 ]
 
 
@@ -139,42 +139,28 @@ class Summary:
     help: str = ""
 
 
-_SUMMARIES: dict[str, Summary] = {}
-
-
-def register_summary(slug: str, help: str = "") -> Callable[[Callable[..., str]], Callable[..., str]]:
-    """Decorator: register ``fn(roots, out=None, **options) -> str`` as the summary of method ``slug``.
-
-    The options of ``lowrank summarize <slug>`` are ``fn``'s keyword arguments after ``roots`` and
-    ``out``, with their defaults.
-    """
-
-    def decorator(fn: Callable[..., str]) -> Callable[..., str]:
-        params = list(inspect.signature(fn).parameters.values())[2:]
-        options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-        _SUMMARIES[slug] = Summary(slug, fn, options, help or (fn.__doc__ or "").strip().splitlines()[0])
-        return fn
-
-    return decorator
-
-
 def get_summary(slug: str) -> Summary:
-    """The summary of ``slug``, importing the method's module (found by the registry) first.
+    """The summary the registration of ``slug`` names, with its options (the function's keyword arguments after
+    ``roots`` and ``out``, with their defaults) and its help (the docstring's first line).
 
     Raises:
-        KeyError: no method ``slug``, or the method registers no summary (both name the ones that do).
+        KeyError: no method ``slug``, or the method names no summary (both name the ones that do).
     """
+    import importlib
+
     from lowrank_lit import registry
 
-    methods = {m.slug for m in registry.scan_methods()}
-    if slug in methods and slug not in _SUMMARIES:
-        registry.load_all([slug])
-    if slug not in _SUMMARIES:
-        registry.load_all()  # the list in the error needs every summary registered
-        known = ", ".join(sorted(_SUMMARIES)) or "(none)"
-        what = "is not a registered method" if slug not in methods else "registers no summary"
+    methods = {m.slug: m for m in registry.scan_methods()}
+    info = methods.get(slug)
+    if info is None or info.summary is None:
+        known = ", ".join(sorted(s for s, m in methods.items() if m.summary)) or "(none)"
+        what = "is not a registered method" if info is None else "registers no summary"
         raise KeyError(f"{slug!r} {what}; methods with a summary: {known}")
-    return _SUMMARIES[slug]
+    module, _, name = info.summary.rpartition(".")
+    fn = getattr(importlib.import_module(module), name)
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return Summary(slug, fn, options, (fn.__doc__ or "").strip().splitlines()[0])
 
 
 def summarize_main(argv: Sequence[str]) -> int:

@@ -259,3 +259,20 @@ def test_tta_method_returns_to_its_source_state(method):
         assert type(tta).__name__ in str(exc)
         return
     assert all(torch.equal(a, b) for a, b in zip(start, tta.get_params(), strict=True))
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m.summary], ids=lambda m: m.slug)
+def test_registered_summary_resolves(method):
+    """The summary a registration names is a function of the method's own module taking (roots, out, ...)."""
+    import inspect
+
+    from lowrank_lit.report import get_summary
+
+    summary = get_summary(method.slug)
+    assert summary.fn.__module__ == method.target.rpartition(".")[0]
+    assert list(inspect.signature(summary.fn).parameters)[1] == "out"  # (run roots, out, options...)
+    assert summary.help and not summary.help.endswith(",")
+
+
+def test_every_paper_method_has_a_summary():
+    assert [m.slug for m in METHODS if m.summary is None] == ["baseline", "pinv_bounds"]

@@ -59,7 +59,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
 )
 from lowrank_lit.seeding import run_seed
@@ -333,7 +332,7 @@ class _CoinModule(pl.LightningModule):
         return torch.optim.Adam(params, lr=self.hparams.lr)
 
 
-@register_method("bayes_prefix", kind="LightningModule", paper=PAPER)
+@register_method("bayes_prefix", kind="LightningModule", paper=PAPER, summary="summary")
 class MetaPretrainModule(_CoinModule):
     """Meta-train a :class:`SequencePredictor` with log loss on a source (random coins by default).
 
@@ -549,7 +548,6 @@ def _label(cfg: dict[str, Any]) -> str:
     return name + (" (untrained)" if args.get("untrained") else "")
 
 
-@register_summary("bayes_prefix")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Regret at t = 50 and t = 200 per target, torso and method (mean over seeds), with the exact Bayes baselines."""
     import statistics

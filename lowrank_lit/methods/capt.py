@@ -32,7 +32,6 @@ from torch import nn
 
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, check_arg, masked_mean
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
 
 __all__ = ["CapsulePrompt", "anchor_attention_share", "CAPSULE_VARIANTS", "CAPSULE_INITS"]
 
@@ -42,7 +41,7 @@ CAPSULE_VARIANTS = ("add", "prepend", "conv", "proj")
 CAPSULE_INITS = ("zeros", "normal")
 
 
-@register_method("capt", kind="Layer", paper=PAPER)
+@register_method("capt", kind="Layer", paper=PAPER, summary="summary")
 class CapsulePrompt(PromptModule):
     """CaPT: one capsule per layer, ``S_i = p_i + Mean(input of layer i)``, at position 0.
 
@@ -138,7 +137,6 @@ class CapsulePrompt(PromptModule):
 COLUMNS = ("test/acc", "test/acc_sentiment", "test/acc_topic", "test/anchor_share", "test/max_slot_share")
 
 
-@register_summary("capt")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Templated two-domain runs (head, PT, P-tuning v2, deep PT, instance-only, CaPT): accuracy and attention shares."""
     from lowrank_lit.models.text import prompt_runs_table

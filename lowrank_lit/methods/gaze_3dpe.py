@@ -41,7 +41,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
 )
 
@@ -290,7 +289,7 @@ def _load_encoder(encoder: ParamEncoder, ckpt: str) -> None:
     encoder.load_state_dict({k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")})
 
 
-@register_method("gaze_3dpe", kind="LightningModule", paper=PAPER)
+@register_method("gaze_3dpe", kind="LightningModule", paper=PAPER, summary="summary")
 class ThreeDPEGaze(pl.LightningModule):
     """Gaze estimation with the frozen face prior, landmark cross-attention and text concepts (module docstring).
 
@@ -496,9 +495,10 @@ def _ms(xs: list[float]) -> str:
     return f"{st.fmean(xs):.2f} ± {st.stdev(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
 
 
-@register_summary("gaze_3dpe", help="angular error on the source and target domains per 3DPE-Gaze variant, slices")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Markdown: per variant (mean ± std over seeds) the source validation error, each target domain's error and
+    """Angular error on the source and target domains per 3DPE-Gaze variant, slices.
+
+    Markdown: per variant (mean ± std over seeds) the source validation error, each target domain's error and
     their mean; the cross-domain gap (target - source) and the |yaw| / IOD slices; the per-seed target means."""
 
     rows = summarize(find_runs(roots, "metrics.csv", required=True))

@@ -53,7 +53,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
     save_rows,
 )
@@ -563,7 +562,7 @@ def _stored_decode(r: GroupResult | None, shape: tuple[int, int]) -> torch.Tenso
     return _decode(r.G.float().double(), r.codes.double(), mu, scale, shape).float().double()
 
 
-@register_method("glvq", kind="Callback", paper=PAPER)
+@register_method("glvq", kind="Callback", paper=PAPER, summary="summary")
 class GLVQ(pl.Callback):
     """Post-training quantization at the start of ``lowrank test``: calibrate, quantize, evaluate, save.
 
@@ -660,7 +659,6 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["bits"], r["method"]))
 
 
-@register_summary("glvq")
 def summary(roots: list[str], out: str | None = None) -> str:
     """GLVQ / scalar-lattice / RTN quantization runs: per-layer error, stored bits, test accuracy (and a bar plot)."""
 

@@ -60,7 +60,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
 )
 
@@ -483,7 +482,7 @@ def _n(x: Any) -> int:
     return int((next(iter(x.values())) if isinstance(x, dict) else x).shape[0])
 
 
-@register_method("icl_rank_retriever", kind="LightningModule", paper=PAPER)
+@register_method("icl_rank_retriever", kind="LightningModule", paper=PAPER, summary="summary")
 class ICLRetrieverModule(pl.LightningModule):
     """A bi-encoder in-context example retriever trained with SeDPO, InfoNCE or both.
 
@@ -768,7 +767,6 @@ _BASELINES = (("kNN", "test/spearman_knn", "test/top1_acc_knn"), ("random", None
               ("oracle", None, "test/top1_acc_oracle"))
 
 
-@register_summary("icl_rank_retriever")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Markdown table per loss (and the baselines): Spearman over the pool and top-1 accuracy, per seed and mean."""
     import statistics

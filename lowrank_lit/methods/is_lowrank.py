@@ -44,7 +44,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
     save_rows,
 )
@@ -100,7 +99,7 @@ def effective_rank(matrix: torch.Tensor, energy: float = 0.9) -> int:
     return int((torch.cumsum(s2, 0) / total < energy).sum()) + 1
 
 
-@register_method("is_lowrank", kind="Optimizer", paper=PAPER)
+@register_method("is_lowrank", kind="Optimizer", paper=PAPER, summary="summary")
 class LowRankAdam(SeededOptimizer):
     """Adam whose moments live in an r-dimensional projection of each weight matrix's gradient.
 
@@ -335,7 +334,6 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
                            "effective rank of W_T - W_0"], table)
 
 
-@register_summary("is_lowrank")
 def summary(roots: Sequence[str], out: str | None = None) -> str:
     """Char-LM runs of AdamW, GaLore and importance-sampled LowRankAdam (and the projector-overlap plot)."""
 

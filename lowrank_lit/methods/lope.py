@@ -34,7 +34,6 @@ from lightning.pytorch.callbacks import Callback
 
 from lowrank_lit.nn.lora import AsymmetricLoRALinear
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
 
 __all__ = ["LoPEStageCallback", "HyNoIse", "hynoise_embedding", "poison_share"]
 
@@ -95,7 +94,7 @@ def poison_share(pl_module: Any, input_ids: torch.Tensor, mask: torch.Tensor) ->
     return torch.stack(per_layer).mean(0)
 
 
-@register_method("lope", kind="Callback", paper=PAPER)
+@register_method("lope", kind="Callback", paper=PAPER, summary="summary")
 class LoPEStageCallback(Callback):
     """LoPE's two training stages and inference masking for every :class:`AsymmetricLoRALinear` with a poison expert.
 
@@ -211,7 +210,6 @@ def _label(cfg: dict[str, Any]) -> str:
 COLUMNS = ("test/acc", "test/poison_share_clean", "test/poison_share_noisy")
 
 
-@register_summary("lope")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Noisy templated sentiment runs (LoRA, HydraLoRA, LoPE and its ablations): clean test accuracy, B_D share."""
     from lowrank_lit.models.text import prompt_runs_table

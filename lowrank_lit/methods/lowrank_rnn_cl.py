@@ -44,7 +44,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
     save_rows,
 )
@@ -435,7 +434,7 @@ class CognitiveStreamDataModule(pl.LightningDataModule):
 METHODS = ("what_how", "oracle", "vanilla")
 
 
-@register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER)
+@register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary")
 class WhatHowModule(pl.LightningModule):
     """Continual learning over the task stream of :class:`CognitiveStreamDataModule`.
 
@@ -630,9 +629,10 @@ class WhatHowModule(pl.LightningModule):
         return torch.optim.Adam(params, lr=self.hparams.lr)
 
 
-@register_summary("lowrank_rnn_cl", help="forgetting matrices (accuracy on every task after every stage) per method")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Markdown: per method (and W_0 gain) and stage, the mean (over seeds) accuracy on every evaluation task and
+    """Forgetting matrices (accuracy on every task after every stage) per method.
+
+    Markdown: per method (and W_0 gain) and stage, the mean (over seeds) accuracy on every evaluation task and
     the vocabulary size; then per method the drop of the first task from its post-training accuracy to the end and the zero-shot
     accuracy of the never-trained tasks after the last stage (mean, min and max over seeds)."""
     import csv

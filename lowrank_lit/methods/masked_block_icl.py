@@ -44,7 +44,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
     save_rows,
 )
@@ -223,7 +222,7 @@ class LinearAttentionTransformer(nn.Module):
         return -self.forward(z0)[:, self.d:, self.n:]
 
 
-@register_method("masked_block_icl", kind="LightningModule", paper=PAPER)
+@register_method("masked_block_icl", kind="LightningModule", paper=PAPER, summary="summary")
 class MaskedBlockICL(pl.LightningModule):
     """Train a :class:`LinearAttentionTransformer` on masked-block completion with MSE on D.
 
@@ -424,7 +423,6 @@ def eagle_solve_distributed(A_local: torch.Tensor, B_local: torch.Tensor, C: tor
 
 
 # --------------------------------------------------------------------------------------- summary
-@register_summary("masked_block_icl")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Test MSE vs the zero predictor per regime and depth (median improvement), with the extracted structure."""
 

@@ -48,7 +48,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
 )
 
@@ -101,7 +100,7 @@ def _schedule(kind: str, start: float, end: float, t: int, total: int) -> float:
     return end + (start - end) * 0.5 * (1 + math.cos(math.pi * frac))  # cosine
 
 
-@register_method("nanoadam", kind="Optimizer", paper=PAPER)
+@register_method("nanoadam", kind="Optimizer", paper=PAPER, summary="summary")
 class NanoAdam(SeededOptimizer):
     """Adam on the k smallest-magnitude entries of each weight matrix, re-selected periodically.
 
@@ -374,7 +373,6 @@ def plot_summary(rows: list[dict[str, Any]], out: str, lr: float | None = None) 
     return save_figure(fig, out)
 
 
-@register_summary("nanoadam")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Split-digits fine-tuning runs (NanoAdam, its ablations, AdamW); --out: bars of the largest lr's results."""
 

@@ -37,14 +37,13 @@ from lowrank_lit.nn.prompts import (
     text_svd_factors,
 )
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import register_summary
 
 __all__ = ["DecomposedMoEPrompt", "routing_purity", "svd_init_prompt"]
 
 PAPER = "PT-MoE: Mixture-of-Experts in Prompt Tuning"
 
 
-@register_method("pt_moe", kind="Layer", paper=PAPER)
+@register_method("pt_moe", kind="Layer", paper=PAPER, summary="summary")
 class DecomposedMoEPrompt(PromptModule):
     """PT-MoE: N decomposed prompts ``P_i = A_i B`` (shared B) picked per input by a noisy router.
 
@@ -104,7 +103,6 @@ class DecomposedMoEPrompt(PromptModule):
 COLUMNS = ("test/mean_domain_acc", "test/acc_sentiment", "test/acc_topic", "test/routing_purity")
 
 
-@register_summary("pt_moe")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Templated two-domain runs (PT, DPT, SMoP, PT-MoE and ablations): accuracy mean +/- std, purity, params."""
     from lowrank_lit.models.text import prompt_runs_table

@@ -50,7 +50,7 @@ from torch import nn
 from lowrank_lit.nn.lowrank_linear import svd_factorize
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import log_image, markdown_table, new_figure, register_summary, save_figure, save_rows
+from lowrank_lit.report import log_image, markdown_table, new_figure, save_figure, save_rows
 
 __all__ = [
     "EPS_SCHEDULES",
@@ -356,7 +356,7 @@ class AdamQ3R(torch.optim.Adam):
 
 
 # --------------------------------------------------------------------------------------- callback
-@register_method("q3r", kind="Callback", paper=PAPER)
+@register_method("q3r", kind="Callback", paper=PAPER, summary="compare")
 class Q3R(Callback):
     """Q3R as a Lightning Callback: add it to ``trainer.callbacks`` of any run.
 
@@ -589,7 +589,6 @@ def plot_truncation(series: dict[str, list[dict[str, float]]], path: str) -> str
     return save_figure(fig, path)
 
 
-@register_summary("q3r")
 def compare(experiment_dirs: Sequence[str], out: str | None = None) -> str:
     """Average ``truncation.csv`` over the runs (seeds) of each experiment folder; markdown table (+ plot).
 

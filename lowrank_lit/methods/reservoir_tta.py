@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import class_label, find_runs, markdown_table, read_config, register_summary
+from lowrank_lit.report import class_label, find_runs, markdown_table, read_config
 from lowrank_lit.tta.base import TTAMethod, TTAWrapper, entropy
 
 __all__ = ["StyleExtractor", "ReservoirTTA"]
@@ -119,7 +119,7 @@ class StyleExtractor(nn.Module):
         return torch.cat(parts)  # (sum of channels,)
 
 
-@register_method("reservoir_tta", kind="TTAMethod", paper=PAPER)
+@register_method("reservoir_tta", kind="TTAMethod", paper=PAPER, summary="summary")
 class ReservoirTTA(TTAWrapper):
     """A reservoir of copies of ``method``'s adapted state, one per discovered domain (see module docstring).
 
@@ -355,7 +355,6 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(["method", *(f"r{k + 1}" for k in recs), "models", "purity"], table)
 
 
-@register_summary("reservoir_tta")
 def summary(roots: list[str], out: str | None = None) -> str:
     """Error per recurrence of test-time adaptation runs (and a plot, one line per run)."""
     from lowrank_lit.tta.module import plot_recurrence

@@ -49,7 +49,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
     save_rows,
 )
@@ -376,7 +375,7 @@ class _MetaTestMixin:
         self._eval(batch, "test")
 
 
-@register_method("safe_meta_rl", kind="LightningModule", paper=PAPER)
+@register_method("safe_meta_rl", kind="LightningModule", paper=PAPER, summary="summary")
 class SafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
     """Safe meta-training of tabular softmax logits on a :class:`lowrank_lit.envs.SafeGridNav` family, and
     meta-testing by ``adapt_steps`` successive adaptation steps on each held-out task (manual optimisation).
@@ -565,9 +564,10 @@ def gae(rew: torch.Tensor, gamma: float, lam: float = 0.95) -> torch.Tensor:
     return adv
 
 
-@register_summary("safe_meta_rl", help="reward and cost per adaptation step and violations of safe meta-RL runs")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Markdown: per environment, adaptation step and meta-gradient (from the saved configs): runs, mean J_r and
+    """Reward and cost per adaptation step and violations of safe meta-RL runs.
+
+    Markdown: per environment, adaptation step and meta-gradient (from the saved configs): runs, mean J_r and
     max J_c at every adaptation step over the held-out tasks and seeds, the violation count (steps >= 1 over
     tasks and seeds), and the median meta-step time."""
     import csv

@@ -49,7 +49,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
     save_rows,
 )
@@ -361,7 +360,7 @@ class NoiseDataModule(pl.LightningDataModule):
         return DataLoader(_Noises(self.n, self.shape, self.batch_size, self.seed), batch_size=None)
 
 
-@register_method("shallow_diffuse", kind="Analysis", paper=PAPER)
+@register_method("shallow_diffuse", kind="Analysis", paper=PAPER, summary="summary")
 class ShallowDiffuseEval(pl.LightningModule):
     """Embed a watermark into images generated from each initial noise, attack them, detect (``lowrank test``).
 
@@ -510,9 +509,10 @@ def _fmt(vals: dict[str, float], key: str, spec: str) -> str:
     return "-" if v != v else format(v, spec)
 
 
-@register_summary("shallow_diffuse", help="PSNR, flips, AUC / TPR@1%FPR per attack, null-space fraction per run")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Markdown: one row per run (method, denoiser, t_frac) with PSNR, flip rate, null-space fraction and the AUC
+    """PSNR, flips, AUC / TPR@1%FPR per attack, null-space fraction per run.
+
+    Markdown: one row per run (method, denoiser, t_frac) with PSNR, flip rate, null-space fraction and the AUC
     (TPR at 1 % FPR) of every attack; ``out``: the rank-ratio-vs-t plot of the runs."""
     import csv
     from pathlib import Path

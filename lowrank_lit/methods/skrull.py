@@ -57,7 +57,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
 )
 
@@ -474,7 +473,7 @@ def micro_batch_loss(model: Any, seqs: Sequence[torch.Tensor], total_targets: in
     return packed_loss(model, seqs, [0] * len(seqs), 0, 1, total_targets)
 
 
-@register_method("skrull", kind="LightningModule", paper=PAPER)
+@register_method("skrull", kind="LightningModule", paper=PAPER, summary="summary")
 class SkrullSFTModule(pl.LightningModule):
     """Causal LM fine-tuning over Skrull-scheduled micro-batches (manual optimisation, one step per global batch).
 
@@ -576,9 +575,10 @@ def plot_plan(lengths: Sequence[int], plans: dict[str, Sequence[MicroBatch]], co
     return save_figure(fig, out)
 
 
-@register_summary("skrull", help="loss and step time per schedule and length mix of SkrullSFTModule runs")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Markdown: per schedule and mix (mean over seeds), the final train and validation loss, micro-batches per
+    """Loss and step time per schedule and length mix of SkrullSFTModule runs.
+
+    Markdown: per schedule and mix (mean over seeds), the final train and validation loss, micro-batches per
     step and the median step time (the first step excluded)."""
     import csv
     import statistics as st

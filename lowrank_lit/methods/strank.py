@@ -45,7 +45,6 @@ from lowrank_lit.report import (
     new_figure,
     read_config,
     read_metric,
-    register_summary,
     save_figure,
 )
 
@@ -234,7 +233,7 @@ def strank_pair_loss(
     return loss
 
 
-@register_method("strank", kind="Loss", paper=PAPER)
+@register_method("strank", kind="Loss", paper=PAPER, summary="summary")
 class STRankLoss(nn.Module):
     """STRank's relative-expression loss as a module: ``loss(pred, counts, groups)``.
 
@@ -425,7 +424,6 @@ def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman")
     return markdown_table(["loss", *(h for s in settings for h in (f"{s}: mean", f"{s}: per seed"))], table)
 
 
-@register_summary("strank")
 def summary(roots: Sequence[str], out: str | None = None, metric: str = "test/spearman") -> str:
     """STRank / baseline runs: the metric per loss, setting and seed (--out: the predicted curves)."""
 

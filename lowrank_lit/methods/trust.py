@@ -54,7 +54,6 @@ from lowrank_lit.report import (
     markdown_table,
     new_figure,
     read_config,
-    register_summary,
     save_figure,
 )
 from lowrank_lit.tta.base import TTAMethod, entropy
@@ -205,7 +204,7 @@ class _PseudoLabelMixin:
             return self.model(x)
 
 
-@register_method("trust", kind="TTAMethod", paper=PAPER)
+@register_method("trust", kind="TTAMethod", paper=PAPER, summary="summary")
 class TRUST(_PseudoLabelMixin, TTAMethod):
     """TRUST test-time adaptation (see the module docstring); run it inside ``lowrank_lit.tta.TTAModule``.
 
@@ -427,9 +426,10 @@ def seed_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(["method", *(f"seed {s}" for s in seeds), "mean"], table)
 
 
-@register_summary("trust", help="accuracy per corruption of TRUST, TRUST-naive, Tent and the source model")
 def summary(roots: list[str], out: str | None = None) -> str:
-    """Accuracy per corruption and method (mean over seeds) of ``lowrank test`` runs, and the traversal-entropy
+    """Accuracy per corruption of TRUST, TRUST-naive, Tent and the source model.
+
+    Accuracy per corruption and method (mean over seeds) of ``lowrank test`` runs, and the traversal-entropy
     spread of the TRUST runs; ``out``: a bar plot."""
 
     dirs = find_runs(roots, "tta_batches.csv", required=True)
