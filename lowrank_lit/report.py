@@ -15,11 +15,12 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs",
+    "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
     "markdown_table", "class_label", "new_figure", "save_figure",
     "Summary", "get_summary", "summarize_main",
 ]
@@ -85,6 +86,71 @@ def find_runs(roots: Iterable[str], marker: str, required: bool = False) -> list
         raise FileNotFoundError(f"no run directory holding {marker} under {', '.join(roots)}")
     return found
 
+
+
+
+#: trainer keys whose non-default value marks a debug run (a smoke or a partial run, not a result)
+DEBUG_TRAINER_KEYS = {"fast_dev_run": (False, 0, None), "overfit_batches": (0, 0.0, None),
+                      "limit_train_batches": (1.0, None), "limit_val_batches": (1.0, None),
+                      "limit_test_batches": (1.0, None)}
+
+
+class Run:
+    """One run directory read back: its path, the config it saved, its final metrics and its artifacts.
+
+    Everything is read on first use, so a summary that skips a run for one reason never trips over another.
+
+    Attributes:
+        path: the run directory.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._given = os.fspath(path)  # as found (``str(run)``: the same text as the path the search returned)
+
+    def __repr__(self) -> str:
+        return f"Run({self._given!r})"
+
+    def __str__(self) -> str:
+        return self._given
+
+    def __fspath__(self) -> str:
+        return self._given
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        """The resolved config the run saved (``config.yaml``)."""
+        return read_config(self.path)
+
+    @cached_property
+    def metrics(self) -> dict[str, float]:
+        """The last logged value of every metric in ``metrics.csv`` (empty when there is none)."""
+        path = self.path / "metrics.csv"
+        return last_values(path) if path.is_file() else {}
+
+    def rows(self, filename: str = "metrics.csv") -> list[dict[str, str]]:
+        """The rows of a CSV file of the run (``metrics.csv`` or a method's table)."""
+        with open(self.path / filename) as f:
+            return list(csv.DictReader(f))
+
+    def history(self, key: str, filename: str = "metrics.csv") -> list[float]:
+        """Every logged value of ``key``, in order."""
+        return [float(r[key]) for r in self.rows(filename) if r.get(key) not in ("", None)]
+
+    @property
+    def debug(self) -> bool:
+        """True for a debug run: ``fast_dev_run``, ``overfit_batches`` or a ``limit_*_batches`` below a full pass."""
+        trainer = (self.config.get("trainer") or {}) if (self.path / "config.yaml").is_file() else {}
+        return any(trainer.get(k, defaults[0]) not in defaults for k, defaults in DEBUG_TRAINER_KEYS.items())
+
+
+def read_runs(roots: Iterable[str], marker: str = "metrics.csv", required: bool = True) -> list[Run]:
+    """The runs (sorted by path) at any depth below ``roots`` whose directory holds ``marker``.
+
+    Raises:
+        FileNotFoundError: ``required`` and there is none (the message names the roots and the marker).
+    """
+    return [Run(d) for d in find_runs(roots, marker, required=required)]
 
 
 # --------------------------------------------------------------------------------------- shared pieces

@@ -52,15 +52,7 @@ from lowrank_lit.data.coins import CoinSource, bayes_log_predictive, check_token
 from lowrank_lit.nn.lora import LoRALinear, inject_adapters
 from lowrank_lit.nn.prompts import SoftPrompt
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    last_values,
-    log_image,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-)
+from lowrank_lit.report import log_image, markdown_table, new_figure, read_runs, save_figure
 from lowrank_lit.seeding import run_seed
 
 __all__ = [
@@ -552,20 +544,19 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Regret at t = 50 and t = 200 per target, torso and method (mean over seeds), with the exact Bayes baselines."""
     import statistics
 
-
     # (target, torso, row) -> {"t50"|"t200": {key: value}}; a method's runs are keyed by run, the exact
     # baselines (the same in every run of a seed) by seed
     cells: dict[tuple[str, str, str], dict[str, dict[str, float]]] = {}
     curves: dict[tuple[str, str, str], list[list[float]]] = {}
-    for d in find_runs(roots, "metrics.csv", required=True):
-        values = last_values(os.path.join(d, "metrics.csv"))
+    for run in read_runs(roots, "metrics.csv"):
+        values = run.metrics
         if "test/regret_t50" not in values:
             continue
-        cfg = read_config(d)
+        cfg = run.config
         target = cfg["data"]["init_args"].get("source", "dirichlet")
         torso = cfg["model"]["init_args"]["predictor"]["init_args"].get("torso", "lstm")
         seed = f"seed{cfg.get('seed_everything')}"
-        rows = {_label(cfg): (d, "test/regret_t50", "test/regret_t200"),
+        rows = {_label(cfg): (str(run), "test/regret_t50", "test/regret_t200"),
                 "exact Bayes, no prefix": (seed, "test/bayes_noprefix_regret_t50", "test/bayes_noprefix_regret_t200"),
                 "exact Bayes, best hard prefix": (seed, "test/bayes_besthard_regret_t50", "test/bayes_besthard_regret_t200")}
         for name, (key, k50, k200) in rows.items():
@@ -574,7 +565,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
                 cell["t50"][key] = values[k50]
             if k200 in values:
                 cell["t200"][key] = values[k200]
-        regret_csv = os.path.join(d, "regret.csv")
+        regret_csv = os.path.join(run, "regret.csv")
         if os.path.isfile(regret_csv):
             with open(regret_csv) as f:
                 curves.setdefault((target, torso, _label(cfg)), []).append([float(r["model"]) for r in csv.DictReader(f)])

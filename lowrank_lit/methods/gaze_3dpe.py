@@ -34,15 +34,7 @@ from torch import nn
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.heads import NUM_LANDMARKS, angles_from_gaze, landmarks
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    last_values,
-    log_image,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-)
+from lowrank_lit.report import Run, log_image, markdown_table, new_figure, read_runs, save_figure
 
 __all__ = ["angular_loss", "gaze_zone", "ZONES", "gaze_align_loss", "domain_repel_loss", "ConceptBank", "ParamEncoder",
            "ParamEncoderModule", "FacePriorGazePredictor", "ThreeDPEGaze"]
@@ -473,16 +465,14 @@ def plot_gaze_grid(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], 
 
 def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Variant, seed, validation (source) error and the per-target errors and slices of each run."""
-    from pathlib import Path
-
 
     out = []
-    for d in run_dirs:
-        cfg = read_config(d)
+    for run in map(Run, run_dirs):
+        cfg = run.config
         init = cfg["model"]["init_args"]
         concepts = (init.get("concepts") or {}).get("init_args") or {}
         variant = init.get("variant", "full") + ("" if concepts.get("text_encoder", "minilm") == "minilm" or init.get("variant") in ("cnn", "finetune", "3dgp") else " (random anchors)")
-        vals = last_values(Path(d) / "metrics.csv")
+        vals = run.metrics
         if "test/angle_deg" in vals:
             out.append({"variant": variant, "seed": cfg.get("seed_everything"), "vals": vals})
     order = {v: i for i, v in enumerate(("cnn", "finetune", "3dgp", "3dgp_repel", "3dgp_align", "full"))}
@@ -501,7 +491,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
     Markdown: per variant (mean ± std over seeds) the source validation error, each target domain's error and
     their mean; the cross-domain gap (target - source) and the |yaw| / IOD slices; the per-seed target means."""
 
-    rows = summarize(find_runs(roots, "metrics.csv", required=True))
+    rows = summarize(read_runs(roots, "metrics.csv"))
     if not rows:
         raise FileNotFoundError(f"no finished ThreeDPEGaze run (with test/angle_deg) under {', '.join(roots)}")
     targets = sorted({k.split("/")[1] for r in rows for k in r["vals"] if k.startswith("test/") and k.endswith("/angle_deg")

@@ -47,15 +47,7 @@ from torch import nn
 
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    last_values,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-    save_rows,
-)
+from lowrank_lit.report import Run, markdown_table, new_figure, read_runs, save_figure, save_rows
 
 __all__ = [
     "mulaw",
@@ -643,16 +635,13 @@ class GLVQ(pl.Callback):
 
 def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Method, bits, per-layer relative error, bits per weight and test accuracy of quantization runs."""
-    import csv
-
 
     rows = []
-    for d in run_dirs:
-        cfg = read_config(d)
+    for run in map(Run, run_dirs):
+        cfg = run.config
         cb = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith(".GLVQ")][0]["init_args"]
-        with open(os.path.join(d, "quantization.csv")) as f:
-            layers = list(csv.DictReader(f))
-        acc = last_values(os.path.join(d, "metrics.csv"), ["test/acc"]).get("test/acc", float("nan"))
+        layers = run.rows("quantization.csv")
+        acc = {k: v for k, v in run.metrics.items() if k in ["test/acc"]}.get("test/acc", float("nan"))
         label = cb.get("method", "glvq") + (" + mu-law" if cb.get("compand") else "") + (" + SDBA" if cb.get("sdba") else "")
         rows.append({"method": label, "bits": cb.get("bits", 2), "errors": [float(r["rel_error"]) for r in layers],
                      "bits_per_weight": float(layers[0]["bits_per_weight"]), "acc": acc})
@@ -662,7 +651,7 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
 def summary(roots: list[str], out: str | None = None) -> str:
     """GLVQ / scalar-lattice / RTN quantization runs: per-layer error, stored bits, test accuracy (and a bar plot)."""
 
-    dirs = find_runs(roots, "quantization.csv", required=True)
+    dirs = read_runs(roots, "quantization.csv")
     rows = summarize(dirs)
     table = markdown_table(
         ["bits", "method", "rel. output error, layer 1", "layer 2", "stored bits / weight", "test acc"],

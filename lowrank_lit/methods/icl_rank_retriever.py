@@ -54,14 +54,7 @@ from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.icl import ICL_LOSSES, ICLWorld, ScoreCache, normalised_option_loss
 from lowrank_lit.optim import linear_warmup
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    last_values,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-)
+from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
 
 __all__ = [
     "sedpo_loss", "sedpo_loss_from_scores", "inbatch_infonce_loss", "PreferencePairBuilder", "LikelihoodScorer",
@@ -771,13 +764,12 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Markdown table per loss (and the baselines): Spearman over the pool and top-1 accuracy, per seed and mean."""
     import statistics
 
-
     rows: dict[str, dict[int, dict[str, float]]] = {}
-    for d in find_runs(roots, "metrics.csv", required=True):
-        values = last_values(os.path.join(d, "metrics.csv"))
+    for run in read_runs(roots, "metrics.csv"):
+        values = run.metrics
         if "test/spearman" not in values:
             continue
-        cfg = read_config(d)
+        cfg = run.config
         args = cfg["model"]["init_args"]
         name = {"sedpo": "SeDPO", "infonce": "InfoNCE (Se^2)", "hybrid": "hybrid"}[args.get("loss", "sedpo")]
         if args.get("init_checkpoint"):

@@ -38,12 +38,11 @@ import torch
 from lowrank_lit.optim import SeededOptimizer, adam_moments_, bias_corrections
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
+    Run,
     class_label,
-    find_runs,
-    last_values,
     markdown_table,
     new_figure,
-    read_config,
+    read_runs,
     save_figure,
     save_rows,
 )
@@ -290,22 +289,20 @@ def plot_overlap(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None
 
 def _run_summary(run_dir: str) -> dict[str, Any]:
     """Optimizer label, seed, final val/loss, late projector overlap and final effective rank of one run."""
-    import csv
 
-
-    cfg = read_config(run_dir)
+    run = Run(run_dir)
+    cfg = run.config
     opt = cfg["model"]["init_args"]["optimizer"]
     name = class_label(opt)
     if name == "LowRankAdam":
         name = {"dominant": "GaLore (dominant)", "importance": "importance"}[opt["init_args"].get("selector", "importance")]
-    with open(os.path.join(run_dir, "subspace.csv")) as f:
-        rows = list(csv.DictReader(f))
+    rows = run.rows("subspace.csv")
     overlaps = [float(r["overlap"]) for r in rows if r["overlap"] not in ("", None)]
     late = overlaps[len(overlaps) // 2 :]
     return {
         "optimizer": name,
         "seed": cfg.get("seed_everything"),
-        "val_loss": last_values(os.path.join(run_dir, "metrics.csv"), ["val/loss"]).get("val/loss", float("nan")),
+        "val_loss": run.metrics.get("val/loss", float("nan")),
         "overlap": sum(late) / len(late) if late else float("nan"),
         "erank": float(rows[-1]["erank"]),
     }
@@ -337,7 +334,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> str:
 def summary(roots: Sequence[str], out: str | None = None) -> str:
     """Char-LM runs of AdamW, GaLore and importance-sampled LowRankAdam (and the projector-overlap plot)."""
 
-    dirs = find_runs(roots, "subspace.csv", required=True)
+    dirs = read_runs(roots, "subspace.csv")
     rows = [_run_summary(d) for d in dirs]
     if out:
         low = [(d, r) for d, r in zip(dirs, rows, strict=True) if r["optimizer"] != "AdamW"]

@@ -38,15 +38,7 @@ from torch import nn
 
 from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    log_image,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-    save_rows,
-)
+from lowrank_lit.report import log_image, markdown_table, new_figure, read_runs, save_figure, save_rows
 from lowrank_lit.seeding import run_seed
 
 __all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context", "VanillaRNN", "CognitiveStreamDataModule", "WhatHowModule"]
@@ -635,19 +627,15 @@ def summary(roots: list[str], out: str | None = None) -> str:
     Markdown: per method (and W_0 gain) and stage, the mean (over seeds) accuracy on every evaluation task and
     the vocabulary size; then per method the drop of the first task from its post-training accuracy to the end and the zero-shot
     accuracy of the never-trained tasks after the last stage (mean, min and max over seeds)."""
-    import csv
     import statistics as st
-    from pathlib import Path
-
 
     by: dict[str, list[list[dict[str, str]]]] = {}
-    for d in find_runs(roots, "forgetting.csv", required=True):
-        init = read_config(d)["model"]["init_args"]
+    for run in read_runs(roots, "forgetting.csv"):
+        init = run.config["model"]["init_args"]
         method = init.get("method", "what_how")
         if method != "vanilla":
             method += f" (W_0 gain {((init.get('how') or {}).get('init_args') or {}).get('w0_gain', 0.8):g})"
-        with open(Path(d) / "forgetting.csv") as f:
-            by.setdefault(method, []).append(list(csv.DictReader(f)))
+        by.setdefault(method, []).append(run.rows("forgetting.csv"))
     order = sorted(by, key=lambda m: (METHODS.index(m.split(" ")[0]) if m.split(" ")[0] in METHODS else len(METHODS), m))
     tasks = [k for k in next(iter(by.values()))[0][0] if k not in ("stage", "trained", "vocab")]
     rows = []

@@ -38,15 +38,7 @@ from torch import nn
 
 from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    last_values,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-    save_rows,
-)
+from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure, save_rows
 from lowrank_lit.seeding import run_seed
 
 __all__ = [
@@ -428,19 +420,19 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
     rows = []
     figure_run = None
-    for d in find_runs(roots, "metrics.csv", required=True):
-        v = last_values(os.path.join(d, "metrics.csv"))
+    for run in read_runs(roots, "metrics.csv"):
+        v = run.metrics
         if "test/median_mse" not in v:
             continue
-        cfg = read_config(d)["model"]["init_args"]["model"]["init_args"]
+        cfg = run.config["model"]["init_args"]["model"]["init_args"]
         regime = cfg.get("regime", "unconstrained")
         detail = {"compute_limited": f"r = {cfg.get('k')}", "distributed": f"M = {cfg.get('machines')}"}.get(regime, "")
         rows.append([regime, detail, cfg.get("layers", 4), f"{v['test/median_mse_zero']:.4f}", f"{v['test/median_mse']:.5f}",
                      f"{v.get('test/median_improvement', float('nan')):.1f}x",
                      f"{v['test/extract_qk_diag_ratio']:.1f}" if "test/extract_qk_diag_ratio" in v else "-",
                      f"{v['test/extract_gamma_over_eta']:.2f}" if "test/extract_gamma_over_eta" in v else "-"])
-        if figure_run is None and regime == "unconstrained" and os.path.isfile(os.path.join(d, "weights.png")):
-            figure_run = d
+        if figure_run is None and regime == "unconstrained" and os.path.isfile(os.path.join(run, "weights.png")):
+            figure_run = str(run)
     if not rows:
         raise FileNotFoundError(f"no finished masked-block run (with test/median_mse) under {', '.join(roots)}")
     if out and figure_run is not None:

@@ -41,15 +41,7 @@ from torch import nn
 
 from lowrank_lit.optim import SeededOptimizer, adam_moments_, bias_corrections
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    class_label,
-    find_runs,
-    last_values,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-)
+from lowrank_lit.report import Run, class_label, markdown_table, new_figure, read_runs, save_figure
 
 __all__ = ["NanoAdam", "bottom_k_mask", "select_indices", "kept_count", "grad_weight_correlation", "GradWeightCorrelation"]
 
@@ -322,18 +314,16 @@ METRICS = ("test/target_acc", "test/source_acc", "test/drift")
 
 def _run_rows(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Optimizer label, lr, seed and the test metrics of each split-digits run directory."""
-    import os
-
 
     rows = []
-    for d in run_dirs:
-        cfg = read_config(d)
+    for run in map(Run, run_dirs):
+        cfg = run.config
         opt = cfg["model"]["init_args"]["optimizer"]
         name = class_label(opt)
         if name == "NanoAdam":
             name = f"NanoAdam ({opt['init_args'].get('selector', 'smallest')})"
         row: dict[str, Any] = {"optimizer": name, "lr": opt["init_args"].get("lr"), "seed": cfg.get("seed_everything")}
-        row.update(last_values(os.path.join(d, "metrics.csv"), METRICS))
+        row.update({k: v for k, v in run.metrics.items() if k in METRICS})
         if all(k in row for k in METRICS):
             rows.append(row)
     return rows
@@ -376,7 +366,7 @@ def plot_summary(rows: list[dict[str, Any]], out: str, lr: float | None = None) 
 def summary(roots: list[str], out: str | None = None) -> str:
     """Split-digits fine-tuning runs (NanoAdam, its ablations, AdamW); --out: bars of the largest lr's results."""
 
-    rows = _run_rows(find_runs(roots, "config.yaml"))
+    rows = _run_rows(read_runs(roots, "config.yaml", required=False))
     if not rows:
         raise FileNotFoundError(f"no finished split-digits run under {roots}")
     if out:

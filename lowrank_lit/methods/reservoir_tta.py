@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import class_label, find_runs, markdown_table, read_config
+from lowrank_lit.report import Run, class_label, markdown_table, read_runs
 from lowrank_lit.tta.base import TTAMethod, TTAWrapper, entropy
 
 __all__ = ["StyleExtractor", "ReservoirTTA"]
@@ -321,16 +321,13 @@ def _method_label(cfg_method: dict[str, Any]) -> str:
 
 def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Method label, error per recurrence, model count and purity of each TTA run directory."""
-    import csv
-    import os
 
     from lowrank_lit.metrics import purity
 
     out = []
-    for d in run_dirs:
-        cfg = read_config(d)
-        with open(os.path.join(d, "tta_batches.csv")) as f:
-            rows = list(csv.DictReader(f))
+    for run in map(Run, run_dirs):
+        cfg = run.config
+        rows = run.rows("tta_batches.csv")
         per: dict[int, list[float]] = {}
         for r in rows:
             per.setdefault(int(r["recurrence"]), []).append(float(r["error"]))
@@ -359,7 +356,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Error per recurrence of test-time adaptation runs (and a plot, one line per run)."""
     from lowrank_lit.tta.module import plot_recurrence
 
-    dirs = find_runs(roots, "tta_batches.csv", required=True)
+    dirs = read_runs(roots, "tta_batches.csv")
     rows = summarize(dirs)
     if out:
         plot_recurrence({r["method"]: r["per_recurrence"] for r in rows}, out)

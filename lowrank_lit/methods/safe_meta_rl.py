@@ -44,11 +44,10 @@ from lowrank_lit.envs.gridnav import SafeGridNav
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
     class_label,
-    find_runs,
     log_image,
     markdown_table,
     new_figure,
-    read_config,
+    read_runs,
     save_figure,
     save_rows,
 )
@@ -570,18 +569,13 @@ def summary(roots: list[str], out: str | None = None) -> str:
     Markdown: per environment, adaptation step and meta-gradient (from the saved configs): runs, mean J_r and
     max J_c at every adaptation step over the held-out tasks and seeds, the violation count (steps >= 1 over
     tasks and seeds), and the median meta-step time."""
-    import csv
     import statistics as st
-    from pathlib import Path
-
 
     by: dict[str, list[tuple[list[dict[str, str]], list[float]]]] = {}
-    for d in find_runs(roots, "adaptation_test.csv", required=True):
-        with open(Path(d) / "adaptation_test.csv") as f:
-            rows = list(csv.DictReader(f))
-        with open(Path(d) / "metrics.csv") as f:
-            times = [float(r["train/step_s"]) for r in csv.DictReader(f) if r.get("train/step_s")]
-        init = read_config(d)["model"]["init_args"]
+    for run in read_runs(roots, "adaptation_test.csv"):
+        rows = run.rows("adaptation_test.csv")
+        times = run.history("train/step_s")
+        init = run.config["model"]["init_args"]
         key = f"{class_label(init['env'])} {init.get('adapt', 'safe')}"
         if init.get("meta_gradient", "hessian_free") != "hessian_free":
             key += f" ({init['meta_gradient']} meta-gradient)"

@@ -42,16 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    last_values,
-    log_image,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-    save_rows,
-)
+from lowrank_lit.report import log_image, markdown_table, new_figure, read_runs, save_figure, save_rows
 
 __all__ = ["DDIMSampler", "RingKey", "ShallowDiffuse", "tree_ring", "pmp_jacobian", "rank_ratio", "null_space_fraction",
            "ATTACKS", "attack", "psnr", "NoiseDataModule", "ShallowDiffuseEval", "summary"]
@@ -515,21 +506,19 @@ def summary(roots: list[str], out: str | None = None) -> str:
     Markdown: one row per run (method, denoiser, t_frac) with PSNR, flip rate, null-space fraction and the AUC
     (TPR at 1 % FPR) of every attack; ``out``: the rank-ratio-vs-t plot of the runs."""
     import csv
-    from pathlib import Path
 
     rows, attacks, ranks = [], [], {}
-    for d in find_runs(roots, "watermark_attacks.csv", required=True):
-        cfg = read_config(d)["model"]["init_args"]
-        vals = last_values(Path(d) / "metrics.csv")
-        with open(Path(d) / "watermark_attacks.csv") as f:
-            per = {r["attack"]: (float(r["auc"]), float(r["tpr_at_1fpr"])) for r in csv.DictReader(f)}
+    for run in read_runs(roots, "watermark_attacks.csv"):
+        cfg = run.config["model"]["init_args"]
+        vals = run.metrics
+        per = {r["attack"]: (float(r["auc"]), float(r["tpr_at_1fpr"])) for r in run.rows("watermark_attacks.csv")}
         attacks = attacks or list(per)
         label = (cfg.get("method", "shallow_diffuse"), cfg["denoiser"]["class_path"].rsplit(".", 1)[-1],
                  "1.0" if cfg.get("method") == "tree_ring" else str(cfg.get("t_frac", 0.3)))
         rows.append([*label, _fmt(vals, "test/psnr", ".1f"), _fmt(vals, "test/flip_rate", ".2f"),
                      _fmt(vals, "test/null_fraction", ".2f"),
                      *(f"{per[a][0]:.3f} ({per[a][1]:.2f})" if a in per else "-" for a in attacks)])
-        rr = Path(d) / "rank_ratio.csv"
+        rr = run.path / "rank_ratio.csv"
         if rr.is_file() and rr.stat().st_size:
             with open(rr) as f:
                 ranks[label[1]] = [(int(r["t"]), float(r["rank_ratio"])) for r in csv.DictReader(f)]

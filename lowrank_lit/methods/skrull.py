@@ -52,13 +52,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-)
+from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
 
 __all__ = ["SkrullSFTModule", "SkrullPlanner", "micro_batch_loss", "SchedulingError", "SkrullCostModel", "fit_memory", "saved_tensor_bytes", "dacp_plan", "gds_plan",
            "baseline_plan", "sorted_plan", "dacp_only_plan", "skrull_plan", "simulate_iteration", "plan_tokens"]
@@ -580,18 +574,14 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
     Markdown: per schedule and mix (mean over seeds), the final train and validation loss, micro-batches per
     step and the median step time (the first step excluded)."""
-    import csv
     import statistics as st
-    from pathlib import Path
-
 
     by: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
-    for d in find_runs(roots, "metrics.csv", required=True):
-        cfg = read_config(d)
+    for run in read_runs(roots, "metrics.csv"):
+        cfg = run.config
         data = cfg["data"]["init_args"]
         key = (data["planner"]["init_args"].get("schedule", "skrull"), data.get("mix", "long_tail"))
-        with open(Path(d) / "metrics.csv") as f:
-            rows = list(csv.DictReader(f))
+        rows = run.rows("metrics.csv")
         train = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
         val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
         steps = [float(r["train/step_s"]) for r in rows if r.get("train/step_s")][1:]

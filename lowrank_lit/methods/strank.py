@@ -39,12 +39,12 @@ from torch import nn
 
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
+    Run,
     class_label,
-    find_runs,
     markdown_table,
     new_figure,
-    read_config,
     read_metric,
+    read_runs,
     save_figure,
 )
 
@@ -363,7 +363,7 @@ class PairwiseMarginRankingLoss(nn.Module):
 def _run_info(run_dir: str) -> dict[str, Any]:
     """Loss name, data setting and seed of a run, from its saved ``config.yaml``."""
 
-    cfg = read_config(run_dir)
+    cfg = Run(run_dir).config
     loss = cfg["model"]["init_args"]["loss"]
     name = class_label(loss)
     if name == "STRankLoss":
@@ -427,7 +427,7 @@ def summary_table(rows: Sequence[dict[str, Any]], metric: str = "test/spearman")
 def summary(roots: Sequence[str], out: str | None = None, metric: str = "test/spearman") -> str:
     """STRank / baseline runs: the metric per loss, setting and seed (--out: the predicted curves)."""
 
-    dirs = [d for d in find_runs(roots, "config.yaml") if os.path.isfile(os.path.join(d, "metrics.csv"))]
+    dirs = [run for run in read_runs(roots, "config.yaml", required=False) if (run.path / "metrics.csv").is_file()]
     if not dirs:
         raise FileNotFoundError(f"no run directory (config.yaml + metrics.csv) under {roots}")
     if out:

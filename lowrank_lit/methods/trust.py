@@ -48,14 +48,7 @@ from torch import nn
 
 from lowrank_lit.models.vmamba import PERMUTATIONS, SS2D, check_permutation, set_traversal
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import (
-    find_runs,
-    last_values,
-    markdown_table,
-    new_figure,
-    read_config,
-    save_figure,
-)
+from lowrank_lit.report import Run, markdown_table, new_figure, read_runs, save_figure
 from lowrank_lit.tta.base import TTAMethod, entropy
 
 __all__ = ["PAPER_TRAVERSALS", "trust_params", "traversal_entropies", "rank_traversals", "merge_mean", "merge_slerp",
@@ -354,13 +347,11 @@ def _sort_key(row: dict[str, Any]) -> tuple[int, str]:
 
 def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
     """Method, seed and accuracy per corruption of each TTA run (from ``metrics.csv`` and the saved config)."""
-    from pathlib import Path
-
 
     out = []
-    for d in run_dirs:
-        cfg = read_config(d)
-        vals = last_values(Path(d) / "metrics.csv")
+    for run in map(Run, run_dirs):
+        cfg = run.config
+        vals = run.metrics
         accs = {k[len("test/acc_"):]: v for k, v in vals.items() if k.startswith("test/acc_") and k != "test/acc_domains"}
         out.append({"method": _method_label(cfg["model"]["init_args"]["method"]), "seed": cfg.get("seed_everything"),
                     "accs": accs})
@@ -389,13 +380,12 @@ def traversal_spread(run_dirs: list[str]) -> str:
     import csv
     import os
 
-
     per: dict[str, list[tuple[float, float, bool]]] = {}
-    for d in run_dirs:
-        path = os.path.join(d, "trust_traversals.csv")
+    for run in map(Run, run_dirs):
+        path = os.path.join(run, "trust_traversals.csv")
         if not os.path.isfile(path):
             continue
-        cfg = read_config(d)
+        cfg = run.config
         names = cfg["data"]["init_args"].get("corruptions") or []
         k = int((cfg["model"]["init_args"]["method"].get("init_args") or {}).get("k", 6))
         with open(path) as f:
@@ -432,7 +422,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
     Accuracy per corruption and method (mean over seeds) of ``lowrank test`` runs, and the traversal-entropy
     spread of the TRUST runs; ``out``: a bar plot."""
 
-    dirs = find_runs(roots, "tta_batches.csv", required=True)
+    dirs = read_runs(roots, "tta_batches.csv")
     rows = summarize(dirs)
     if out:
         plot_accuracy(rows, out)

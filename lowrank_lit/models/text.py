@@ -30,7 +30,7 @@ from lowrank_lit.hub import MINILM, load_tokenizer, quiet_transformers, resolve_
 from lowrank_lit.metrics import purity
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
 from lowrank_lit.optim import linear_warmup
-from lowrank_lit.report import find_runs, last_values, markdown_table, new_figure, read_config, save_figure
+from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
 
 __all__ = [
     "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "find_layers", "keep_first_layers", "disable_dropout",
@@ -650,15 +650,14 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
         first: header of the label column.
         params: parameter-count metrics shown after the run count.
     """
-    import os
     import statistics
 
     groups: dict[str, list[dict[str, float]]] = {}
-    for d in find_runs(roots, "metrics.csv", required=True):
-        values = last_values(os.path.join(d, "metrics.csv"))
+    for run in read_runs(roots, "metrics.csv"):
+        values = run.metrics
         if columns[0] not in values:
             continue  # unfinished run
-        cfg = read_config(d)
+        cfg = run.config
         name = label(cfg) if label is not None else prompt_label(cfg["model"]["init_args"].get("prompt"))
         groups.setdefault(name, []).append(values)
     if not groups:
