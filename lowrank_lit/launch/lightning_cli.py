@@ -169,7 +169,7 @@ class LowrankCLI(LightningCLI):
         except BaseException:
             self._remove_if_new(run_dir)
             raise
-        if run_dir.resumed:  # accepted: only now is the previous attempt's metrics.csv moved aside
+        if run_dir.resumed and is_rank_zero():  # accepted: only now is the previous attempt's metrics.csv moved aside
             keep_previous_metrics(run_dir.path)
         if is_rank_zero():
             print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else ""),

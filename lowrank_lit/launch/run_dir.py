@@ -75,10 +75,8 @@ def _validate(experiment: str, run_id: str | None) -> None:
 def keep_previous_metrics(path: Path) -> None:
     """Lightning's CSVLogger deletes an existing ``metrics.csv``; move it to ``metrics.<n>.csv`` first.
 
-    Called once a re-entry is accepted (a refused one touches nothing), on the first process only.
+    Called once a re-entry is accepted (a refused one touches nothing), by the first process only.
     """
-    if int(os.environ.get("SLURM_PROCID", "0") or 0) != 0 or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
-        return
     metrics = path / "metrics.csv"
     if metrics.is_file():
         n = 1

@@ -25,6 +25,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from lowrank_lit.launch.sweep import default_storage, sweep_folder
+
 __all__ = ["render_script", "main"]
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
@@ -127,8 +129,8 @@ def main(argv: list[str]) -> int:
 
     if opts.sweep:
         name = opts.study_name or Path(opts.sweep).stem
-        folder = Path(opts.run_root) / "sweeps" / name
-        storage = opts.storage or str(folder / "study.journal")
+        folder = sweep_folder(opts.run_root, name)
+        storage = opts.storage or str(default_storage(opts.run_root, name))
     else:
         missing = [c for c in opts.config if not Path(c).is_file()]
         if missing:

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -53,16 +54,12 @@ import yaml
 
 from lowrank_lit.report import read_metric
 
-__all__ = ["SweepSpec", "SweepError", "SweepStopped", "load_sweep", "format_value", "run_sweep", "main"]
+__all__ = ["SweepSpec", "SweepError", "SweepStopped", "load_sweep", "format_value", "run_sweep", "sweep_folder", "default_storage", "main"]
 
 METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
 DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "categorical")
 ARGS_MACRO = "${args}"
-
-
-class TrialFailed(RuntimeError):
-    """A trial whose ``lowrank fit`` crashed or did not log the sweep metric."""
 
 
 class SweepError(ValueError):
@@ -323,8 +320,8 @@ def make_sampler(spec: SweepSpec, seed: int | None) -> Any:
     import optuna
 
     if spec.method in ("grid", "random"):
-        # random: plain draws; a grid is walked by the runner itself (each point queued with fixed parameters once no trial
-        # has finished or claimed it), so the sampler of a grid sweep is never asked for a value
+        # random: plain draws; a grid is walked by the runner itself (each point is queued with fixed
+        # parameters once no trial has finished or claimed it), so a grid's sampler is never asked
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
 
@@ -445,9 +442,14 @@ def _preset(name: str) -> Path:
     return project_root() / "callbacks" / name
 
 
+def sweep_folder(run_root: str | os.PathLike, study_name: str) -> Path:
+    """A sweep's own folder, ``<run_root>/sweeps/<study>``: its study, trial logs, table and best config."""
+    return Path(run_root) / "sweeps" / study_name
+
+
 def default_storage(run_root: str | os.PathLike, study_name: str) -> Path:
     """Where a sweep's study lives unless ``--storage`` says otherwise: ``<run_root>/sweeps/<study>/study.journal``."""
-    return Path(run_root) / "sweeps" / study_name / "study.journal"
+    return sweep_folder(run_root, study_name) / "study.journal"
 
 
 def _key(params: dict[str, Any]) -> str:
@@ -468,9 +470,9 @@ def _orphaned(trial: Any) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False
-    return False  # a live worker
+    except PermissionError:  # alive, under another user
+        pass
+    return False
 
 
 def _interrupted(trial: Any) -> bool:
@@ -485,6 +487,13 @@ def _finished(trial: Any) -> bool:
 
     state = trial.state
     return state == optuna.trial.TrialState.COMPLETE or (state == optuna.trial.TrialState.FAIL and not _interrupted(trial))
+
+
+def _taken(trial: Any) -> bool:
+    """Finished, or running in some worker: its parameters are not handed out again."""
+    import optuna
+
+    return _finished(trial) or trial.state == optuna.trial.TrialState.RUNNING
 
 
 def _requeue_interrupted(study: Any) -> None:
@@ -517,7 +526,7 @@ def _next_trial(study: Any, spec: SweepSpec, cap: int | None, rng: Any) -> Any:
     trials = study.get_trials(deepcopy=False)
     states = optuna.trial.TrialState
     if not any(t.state == states.WAITING for t in trials):
-        taken = [t for t in trials if _finished(t) or t.state == states.RUNNING]
+        taken = [t for t in trials if _taken(t)]
         if spec.method == "grid":
             claimed = {_key(t.params) for t in taken}
             pending = [p for p in spec.grid_points() if _key(p) not in claimed]
@@ -533,11 +542,8 @@ def _duplicate(study: Any, trial: Any, spec: SweepSpec) -> bool:
     """Another worker claimed the same grid point first (a lower-numbered trial, running or finished)."""
     if spec.method != "grid":
         return False
-    import optuna
-
     mine = _key(trial.params)
-    return any(t.number < trial.number and _key(t.params) == mine and (_finished(t) or t.state == optuna.trial.TrialState.RUNNING)
-               for t in study.get_trials(deepcopy=False))
+    return any(t.number < trial.number and _key(t.params) == mine and _taken(t) for t in study.get_trials(deepcopy=False))
 
 
 def run_sweep(
@@ -607,7 +613,7 @@ def run_sweep(
                 continue
             trial.set_user_attr("overrides", overrides_to_args(params))
             res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
-                            extra_args=list(extra_args or []), log_dir=run_root / "sweeps" / study_name / "logs",
+                            extra_args=list(extra_args or []), log_dir=sweep_folder(run_root, study_name) / "logs",
                             resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop)
             results.append(res)
             print(_trial_line(res, spec.metric), flush=True)
@@ -731,7 +737,7 @@ def main(argv: list[str]) -> int:
         stopped, study = exc, exc.study
     code = _report(spec, study, opts, stopped is not None)
     if stopped is not None:
-        again = " ".join(["lowrank", "sweep", *argv])
+        again = shlex.join(["lowrank", "sweep", *argv])
         print(f"\nlowrank sweep: stopped by {stopped.signal_name}; the study is saved, continue it with: {again}",
               file=sys.stderr, flush=True)
         return 128 + int(getattr(signal, stopped.signal_name))
@@ -740,7 +746,7 @@ def main(argv: list[str]) -> int:
 
 def _report(spec: SweepSpec, study: Any, opts: Any, stopped: bool) -> int:
     """Print and save the table of every trial, and write the best config of what finished."""
-    folder = Path(opts.run_root) / "sweeps" / study.study_name
+    folder = sweep_folder(opts.run_root, study.study_name)
     table = summary_table(spec, study)
     print()
     print(table)

@@ -39,6 +39,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lowrank_lit.callbacks.rng import gather_per_rank
+from lowrank_lit.data.loader import ResumableDataLoader
 from lowrank_lit.envs.continuous import ContinuousFamily
 from lowrank_lit.envs.gridnav import SafeGridNav
 from lowrank_lit.registry import register_method
@@ -51,6 +53,7 @@ from lowrank_lit.report import (
     save_figure,
     save_rows,
 )
+from lowrank_lit.seeding import run_seed
 
 __all__ = ["InfeasibleAnchorError", "tilt", "constraint_value", "dual_objective", "solve_dual", "safe_adapt",
            "sample_weights", "tabular_policy_gradient", "hessian_free_meta_grad", "second_order_meta_grad",
@@ -313,13 +316,9 @@ class TaskDataModule(pl.LightningDataModule):
         self.tasks_per_batch, self.steps_per_epoch, self.seed = tasks_per_batch, steps_per_epoch, seed
 
     def _loader(self, ds: Any) -> Any:
-        from lowrank_lit.data.loader import ResumableDataLoader
-
         return ResumableDataLoader(ds, batch_size=None, shuffle=False)  # an interrupted run skips the meta-steps it took
 
     def train_dataloader(self) -> Any:
-        from lowrank_lit.seeding import run_seed
-
         rank = self.trainer.global_rank if self.trainer is not None else 0
         return self._loader(_TaskBatches(self.train_tasks, self.tasks_per_batch, self.steps_per_epoch, run_seed(self.seed), rank))
 
@@ -656,8 +655,6 @@ class NeuralSafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
         self._gen.manual_seed(int(torch.randint(0, 2**31 - 1, (1,))) + 7919 * self.global_rank)  # per-rank stream
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        from lowrank_lit.callbacks.rng import gather_per_rank
-
         checkpoint["rollout_generator"] = gather_per_rank(self.trainer, self._gen.get_state())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
