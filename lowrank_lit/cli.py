@@ -161,27 +161,23 @@ def main(args: Sequence[str] | None = None) -> int:
         print(f"lowrank {argv[0]}: error: --config: file {missing[0]!r} does not exist", file=sys.stderr)
         return 2
     from jsonargparse import ArgumentError
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lowrank_lit.launch.lightning_cli import LowrankCLI as cli_class
-    cli_class.last_run_dir = None
+    from lowrank_lit.launch.lightning_cli import RunStopped, run_command
     try:
         # args=None lets LightningCLI read sys.argv itself (it warns when both are given)
-        cli_class(args=None if args is None else argv)
+        run_dir = run_command(None if args is None else argv)
     except ArgumentError as exc:
         print(f"lowrank {argv[0]}: error: {one_line_error(exc)}", file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(f"lowrank {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
-    except SIGTERMException as exc:
-        run_dir = cli_class.last_run_dir
+    except RunStopped as stop:
         if is_rank_zero():
-            print(interrupted_message(argv, run_dir, exc), file=sys.stderr, flush=True)
-        code = exc.code if isinstance(exc.code, int) and exc.code else 128 + int(signal.SIGTERM)
-        return code
+            print(interrupted_message(argv, stop.run_dir, stop.cause), file=sys.stderr, flush=True)
+        code = stop.cause.code
+        return code if isinstance(code, int) and code else 128 + int(signal.SIGTERM)
     _close_process_group()
-    run_dir = cli_class.last_run_dir
     if run_dir is not None and is_rank_zero():
         print(f"run {run_dir.experiment}/{run_dir.run_id} finished: {run_dir.path}", flush=True)
     return 0

@@ -1,4 +1,9 @@
-"""A run's results: writing tables and plots (run directory, and W&B when configured), and reading runs back.
+"""A run's results: where a run writes, writing tables and plots (run directory, and W&B when configured), and reading runs back.
+
+Writing: :func:`run_directory` is where the run writes (the CLI makes it ``<run_root>/<experiment>/<run_id>``),
+:func:`may_write` says whether this process writes the run's files now, :func:`artifact_path` is the path of a named
+file in it. Every method, callback and summary goes through these three; nothing else reads
+``trainer.default_root_dir``.
 
 Method summaries: each method names, in its registration (``register_method(..., summary="summary")``),
 the function that turns its runs into a markdown table (and optionally a figure);
@@ -20,15 +25,58 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
+    "run_directory", "may_write", "artifact_path", "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
     "markdown_table", "class_label", "new_figure", "save_figure",
     "Summary", "get_summary", "summarize_main",
 ]
 
 
+def run_directory(trainer: Any | None) -> str | None:
+    """The directory this run writes into, or None when there is no trainer.
+
+    Under ``lowrank`` it is ``<run_root>/<experiment>/<run_id>`` (the CLI points ``trainer.default_root_dir``,
+    the CSV logger and any W&B logger at it, on every rank); with a plain Lightning ``Trainer`` it is the
+    trainer's ``default_root_dir`` (the working directory unless given).
+    """
+    return None if trainer is None else str(trainer.default_root_dir)
+
+
+def may_write(trainer: Any | None) -> bool:
+    """Whether this process writes the run's result files (tables, figures, exports) now.
+
+    True on global rank zero of a run that keeps results: a trainer is attached, it is not the sanity
+    check, it is not a ``fast_dev_run`` (which, as Lightning does for its loggers and checkpoints, leaves
+    no results behind) and it has a logger (a ``Trainer(logger=False)`` writes nothing into its
+    directory). ``limit_*`` and ``overfit_batches`` runs do write; reading them back marks them
+    :attr:`Run.debug`. Files that every rank needs (checkpoints, per-rank caches) do not ask this.
+    """
+    if trainer is None or not trainer.is_global_zero or trainer.sanity_checking or trainer.fast_dev_run:
+        return False
+    return bool(trainer.loggers)
+
+
+def artifact_path(trainer: Any, name: str) -> str:
+    """The path of the file or folder ``name`` in the run directory (the directory is created if missing).
+
+    Raises:
+        ValueError: ``name`` is absolute or leaves the run directory.
+    """
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        raise ValueError(f"name={name!r}; allowed: a path relative to the run directory, without '..'")
+    root = run_directory(trainer)
+    if root is None:
+        raise ValueError("artifact_path: no trainer attached, so there is no run directory")
+    path = os.path.join(root, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
 def save_rows(trainer: Any, rows: Sequence[dict[str, Any]], filename: str) -> str:
-    """Write ``rows`` (dicts with the same keys) as CSV ``<run directory>/<filename>``; returns the path."""
-    path = os.path.join(trainer.default_root_dir, filename)
+    """Write ``rows`` (dicts with the same keys) as CSV ``<run directory>/<filename>``; returns the path.
+
+    The caller decides whether to write (:func:`may_write`).
+    """
+    path = artifact_path(trainer, filename)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -138,3 +138,12 @@ def text_batch(max_length: int = 12) -> tuple[Any, Any]:
     enc = load_tokenizer()(["the pizza was delicious .", "we talked about tennis and rice today .", "the movie was bad ."],
                            padding="max_length", max_length=max_length, return_tensors="pt")
     return enc["input_ids"], enc["attention_mask"]
+
+
+def writing_trainer(run_dir: Any, **overrides: Any) -> Any:
+    """A :func:`quiet_trainer` that keeps results: a CSV logger writing into ``run_dir``, which is its run directory."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    kwargs: dict[str, Any] = {"default_root_dir": str(run_dir), "logger": CSVLogger(str(run_dir), name="", version="")}
+    kwargs.update(overrides)
+    return quiet_trainer(**kwargs)

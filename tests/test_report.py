@@ -33,3 +33,44 @@ def test_read_runs_names_roots_and_marker(tmp_path):
     with pytest.raises(FileNotFoundError, match="forgetting.csv"):
         read_runs([str(tmp_path)], "forgetting.csv")
     assert read_runs([str(tmp_path)], "forgetting.csv", required=False) == []
+
+
+# ------------------------------------------------------------------ writing: the run-directory API
+def _trainer(tmp_path, **overrides):
+    from tests.helpers import writing_trainer
+
+    return writing_trainer(tmp_path, **overrides)
+
+
+def test_may_write_rank_zero_with_a_logger_outside_debug_runs(tmp_path, monkeypatch):
+    from lowrank_lit.report import may_write, run_directory
+
+    assert not may_write(None) and run_directory(None) is None
+    trainer = _trainer(tmp_path)
+    assert may_write(trainer) and run_directory(trainer) == str(tmp_path)
+    assert not may_write(_trainer(tmp_path, logger=False))  # a bare Trainer(logger=False) writes nothing
+    assert not may_write(_trainer(tmp_path, fast_dev_run=True))  # a smoke run leaves no results behind
+    assert may_write(_trainer(tmp_path, limit_train_batches=2))  # a partial run writes (read back as debug)
+    monkeypatch.setattr(type(trainer), "is_global_zero", property(lambda self: False))
+    assert not may_write(trainer)
+
+
+def test_may_write_is_false_during_the_sanity_check(tmp_path):
+    from lowrank_lit.report import may_write
+
+    trainer = _trainer(tmp_path)
+    trainer.state.stage = "sanity_check"
+    assert trainer.sanity_checking and not may_write(trainer)
+
+
+def test_artifact_path_stays_in_the_run_directory(tmp_path):
+    from lowrank_lit.report import artifact_path, save_rows
+
+    trainer = _trainer(tmp_path / "run")
+    path = artifact_path(trainer, "figs/a.png")
+    assert path == str(tmp_path / "run" / "figs" / "a.png") and (tmp_path / "run" / "figs").is_dir()
+    for bad in ("../a.csv", "/tmp/a.csv", "x/../../a.csv"):
+        with pytest.raises(ValueError, match="name="):
+            artifact_path(trainer, bad)
+    assert save_rows(trainer, [{"a": 1, "b": 2}], "t.csv") == str(tmp_path / "run" / "t.csv")
+    assert (tmp_path / "run" / "t.csv").read_text().splitlines() == ["a,b", "1,2"]

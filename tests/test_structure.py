@@ -116,3 +116,11 @@ def test_imports_go_down_the_package_order():
                     if _package(m) != "lowrank_lit" and _package(d) != _package(m)
                     and rank[_package(d)] <= rank[_package(m)])
     assert not upward, upward
+
+
+def test_only_the_run_api_reads_the_trainer_root_dir():
+    """Where a run writes is asked of ``report.run_directory`` / ``artifact_path``; launch/ sets it."""
+    offenders = [f"{path.relative_to(ROOT)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))
+                 if "launch" not in path.relative_to(PACKAGE).parts and path.name != "report.py"
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if "default_root_dir" in line]
+    assert not offenders, offenders

@@ -10,6 +10,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
+from lowrank_lit.report import artifact_path
+
 __all__ = ["RunConfigCallback", "WANDB_CONFIG_FILE"]
 
 #: name of the resolved config among a W&B run's files
@@ -28,8 +30,8 @@ class RunConfigCallback(SaveConfigCallback):
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
         # this runs on rank 0 only: trainer.log_dir would broadcast (a collective) and deadlock DDP;
-        # the CLI makes the CSV log dir and default_root_dir the same run directory
-        config_path = os.path.join(trainer.default_root_dir, self.config_filename)
+        # the CLI makes the CSV log dir and the run directory the same folder
+        config_path = artifact_path(trainer, self.config_filename)
         for logger in trainer.loggers:
             if isinstance(logger, CSVLogger):
                 continue

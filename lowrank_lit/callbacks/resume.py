@@ -47,6 +47,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lowrank_lit.report import artifact_path
+
 __all__ = ["ResumeCheckpoint", "RunInterrupted", "STOP_SIGNALS"]
 
 #: signals that stop a run at the next batch boundary with a checkpoint
@@ -99,7 +101,7 @@ class ResumeCheckpoint(Checkpoint):
     """Write ``<dirpath>/<filename>.ckpt`` at every epoch end, every N steps and on interruption.
 
     Args:
-        dirpath: folder of the checkpoint. Default: ``<trainer.default_root_dir>/checkpoints``
+        dirpath: folder of the checkpoint. Default: ``checkpoints/`` in the run directory
             (the run directory's ``checkpoints/`` under ``lowrank``).
         filename: file name without ``.ckpt``. Default: ``"last"``.
         every_n_train_steps: also write it every this many optimizer steps; 0 writes only at epoch
@@ -143,7 +145,7 @@ class ResumeCheckpoint(Checkpoint):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.dirpath is None:
-            self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+            self.dirpath = artifact_path(trainer, "checkpoints")
 
     @property
     def state_key(self) -> str:

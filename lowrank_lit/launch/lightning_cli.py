@@ -3,6 +3,7 @@
 Importing this module imports Lightning; the ``lowrank`` entry point (:mod:`lowrank_lit.cli`) does
 so only for the Lightning subcommands. :func:`build_parser` gives the real parser of a subcommand
 without parsing or running anything (the sweep runner checks swept values with it).
+:func:`run_command` runs one Lightning subcommand and returns its run directory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lowrank_lit.callbacks.config import RunConfigCallback
 from lowrank_lit.callbacks.resume import ResumeCheckpoint
@@ -42,7 +44,7 @@ from lowrank_lit.launch.run_dir import (
     slurm_run_id,
 )
 
-__all__ = ["LowrankCLI", "build_parser"]
+__all__ = ["LowrankCLI", "RunStopped", "build_parser", "run_command"]
 
 quiet_known_noise()
 
@@ -61,9 +63,8 @@ class LowrankCLI(LightningCLI):
     ``trainer.default_root_dir``, the CSV logger and any W&B logger are pointed at it.
     """
 
+    #: this run's directory, once the arguments are parsed
     run_dir: RunDir | None = None
-    #: the run directory of the most recent run in this process (for the closing message)
-    last_run_dir: RunDir | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
@@ -79,7 +80,10 @@ class LowrankCLI(LightningCLI):
         )
         # RNG states travel with every checkpoint, so resuming is exact (added to every run)
         kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint()]})
-        super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+        try:
+            super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+        except SIGTERMException as exc:  # stopped by a signal: say where the run was writing
+            raise RunStopped(exc, self.run_dir) from exc
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse as LightningCLI does; a parse error becomes one line naming the key (and the closest valid one)."""
@@ -159,7 +163,6 @@ class LowrankCLI(LightningCLI):
         self.run_dir = run_dir
         cfg.experiment = experiment
         cfg.trainer.default_root_dir = str(run_dir.path)
-        type(self).last_run_dir = run_dir
         try:
             cfg.trainer.logger = self._loggers(cfg.trainer.get("logger"), run_dir)
             cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg, self.subcommand)
@@ -309,6 +312,36 @@ class LowrankCLI(LightningCLI):
         args.resume = args.get("resume") or "allow"  # a requeued SLURM job continues the same W&B run
         if args.get("project") in (None, "lightning_logs"):
             args.project = "lowrank_lit"
+
+
+class RunStopped(Exception):
+    """A run stopped by a signal (after its checkpoint was written, see :class:`~lowrank_lit.callbacks.RunInterrupted`).
+
+    Attributes:
+        cause: Lightning's ``SIGTERMException`` (or its subclass ``RunInterrupted``); ``cause.code`` is the exit code.
+        run_dir: the run directory it was writing into, None when it stopped before one existed.
+    """
+
+    def __init__(self, cause: SIGTERMException, run_dir: RunDir | None) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.run_dir = run_dir
+
+
+def run_command(args: list[str] | None = None) -> RunDir | None:
+    """Run one Lightning subcommand (``fit``, ``validate``, ``test``, ``predict``) with :class:`LowrankCLI`.
+
+    Args:
+        args: the command line after ``lowrank``, e.g. ``["fit", "--config", "x.yaml"]``; None reads ``sys.argv``.
+
+    Returns:
+        The run directory the command wrote into.
+
+    Raises:
+        RunStopped: a stop signal ended the run (its checkpoint is written).
+        ConfigError: a bad argument or input, as one line.
+    """
+    return LowrankCLI(args=args).run_dir
 
 
 class _ParserOnlyCLI(LowrankCLI):

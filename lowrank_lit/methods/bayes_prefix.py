@@ -52,7 +52,15 @@ from lowrank_lit.data.coins import CoinSource, bayes_log_predictive, check_token
 from lowrank_lit.nn.lora import LoRALinear, inject_adapters
 from lowrank_lit.nn.prompts import SoftPrompt
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import log_image, markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.report import (
+    artifact_path,
+    log_image,
+    markdown_table,
+    may_write,
+    new_figure,
+    read_runs,
+    save_figure,
+)
 from lowrank_lit.seeding import run_seed
 
 __all__ = [
@@ -501,9 +509,9 @@ class RegretCurveCallback(Callback):
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         curves = getattr(pl_module, "regret_curves", {})
-        if not curves or trainer.global_rank != 0:
+        if not curves or not may_write(trainer):
             return
-        path = os.path.join(trainer.default_root_dir, "regret.csv")
+        path = artifact_path(trainer, "regret.csv")
         names = sorted(curves)
         length = min(c.numel() for c in curves.values())
         with open(path, "w", newline="") as f:
@@ -517,7 +525,7 @@ class RegretCurveCallback(Callback):
         ax.set_xlabel("t")
         ax.set_ylabel("cumulative regret (nats)")
         ax.legend(fontsize=8)
-        png = save_figure(fig, os.path.join(trainer.default_root_dir, "regret.png"))
+        png = save_figure(fig, artifact_path(trainer, "regret.png"))
         log_image(trainer, "test/regret_curve", png)
         from lightning.pytorch.loggers import WandbLogger
 

@@ -34,7 +34,16 @@ from torch import nn
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.heads import NUM_LANDMARKS, angles_from_gaze, landmarks
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import Run, log_image, markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.report import (
+    Run,
+    artifact_path,
+    log_image,
+    markdown_table,
+    may_write,
+    new_figure,
+    read_runs,
+    save_figure,
+)
 
 __all__ = ["angular_loss", "gaze_zone", "ZONES", "gaze_align_loss", "domain_repel_loss", "ConceptBank", "ParamEncoder",
            "ParamEncoderModule", "FacePriorGazePredictor", "ThreeDPEGaze"]
@@ -429,11 +438,9 @@ class ThreeDPEGaze(pl.LightningModule):
                 self.log(f"test/{name}/iod_err_high", err[~low].mean(), add_dataloader_idx=False)
         if means:
             self.log("test/angle_deg", sum(means) / len(means), add_dataloader_idx=False)
-        run_dir = getattr(self.trainer, "default_root_dir", None) if self._trainer is not None else None
-        if self._grid and run_dir and not self.trainer.sanity_checking and self.trainer.is_global_zero:
-
+        if self._grid and may_write(self._trainer):
             names = [self.test_domains[k] if k < len(self.test_domains) else f"domain{k}" for k in sorted(self._grid)]
-            path = plot_gaze_grid([self._grid[k] for k in sorted(self._grid)], names, os.path.join(run_dir, "gaze_grid.png"))
+            path = plot_gaze_grid([self._grid[k] for k in sorted(self._grid)], names, artifact_path(self.trainer, "gaze_grid.png"))
             log_image(self.trainer, "test/gaze_grid", path)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -36,7 +36,6 @@ lattice (``G = s I``). Inferred choices (the paper leaves them open) are marked 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +46,16 @@ from torch import nn
 
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import Run, markdown_table, new_figure, read_runs, save_figure, save_rows
+from lowrank_lit.report import (
+    Run,
+    artifact_path,
+    markdown_table,
+    may_write,
+    new_figure,
+    read_runs,
+    save_figure,
+    save_rows,
+)
 
 __all__ = [
     "mulaw",
@@ -627,10 +635,9 @@ class GLVQ(pl.Callback):
             self.report.append({"layer": name, **rep})
         for logger in trainer.loggers:
             logger.log_metrics({f"glvq/{r['layer']}/{k}": r[k] for r in self.report for k in ("rel_error", "bits_per_weight")}, step=0)
-        if trainer.is_global_zero and trainer.loggers and os.path.isdir(trainer.default_root_dir):
-
+        if may_write(trainer):
             save_rows(trainer, self.report, "quantization.csv")
-            torch.save(pl_module.state_dict(), os.path.join(trainer.default_root_dir, "quantized.pt"))
+            torch.save(pl_module.state_dict(), artifact_path(trainer, "quantized.pt"))
 
 
 def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:

@@ -54,7 +54,7 @@ from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.icl import ICL_LOSSES, ICLWorld, ScoreCache, normalised_option_loss
 from lowrank_lit.optim import linear_warmup
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.report import artifact_path, markdown_table, new_figure, read_runs, save_figure
 
 __all__ = [
     "sedpo_loss", "sedpo_loss_from_scores", "inbatch_infonce_loss", "PreferencePairBuilder", "LikelihoodScorer",
@@ -426,7 +426,7 @@ class ScoreCacheWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prediction: Any,
                            batch_indices: Sequence[int] | None, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         directory = self.cache_dir or getattr(trainer.datamodule, "cache_dir", None) or \
-            os.path.join(trainer.default_root_dir, "score_cache")
+            artifact_path(trainer, "score_cache")
         ScoreCache(directory, f"rank{trainer.global_rank}").append(prediction)
 
 

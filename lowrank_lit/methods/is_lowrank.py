@@ -41,6 +41,7 @@ from lowrank_lit.report import (
     Run,
     class_label,
     markdown_table,
+    may_write,
     new_figure,
     read_runs,
     save_figure,
@@ -262,8 +263,7 @@ class SubspaceOverlap(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.rows.append({"step": trainer.global_step, "overlap": "", "erank": self._erank()})
-        if trainer.is_global_zero and trainer.loggers and os.path.isdir(trainer.default_root_dir):
-
+        if may_write(trainer):
             save_rows(trainer, self.rows, "subspace.csv")
 
 

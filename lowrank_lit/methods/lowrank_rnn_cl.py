@@ -38,7 +38,16 @@ from torch import nn
 
 from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import log_image, markdown_table, new_figure, read_runs, save_figure, save_rows
+from lowrank_lit.report import (
+    artifact_path,
+    log_image,
+    markdown_table,
+    may_write,
+    new_figure,
+    read_runs,
+    save_figure,
+    save_rows,
+)
 from lowrank_lit.seeding import run_seed
 
 __all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context", "VanillaRNN", "CognitiveStreamDataModule", "WhatHowModule"]
@@ -569,9 +578,8 @@ class WhatHowModule(pl.LightningModule):
         return row
 
     def on_train_end(self) -> None:
-        if not self.matrix or not self.trainer.is_global_zero or not self.trainer.default_root_dir:
+        if not self.matrix or not may_write(self.trainer):
             return
-
         save_rows(self.trainer, self.matrix, "forgetting.csv")
         tasks = self._dm.eval_tasks
         fig, ax = new_figure(figsize=(1.4 * len(tasks) + 1.5, 0.6 * len(self.matrix) + 1.2))
@@ -583,7 +591,7 @@ class WhatHowModule(pl.LightningModule):
         ax.set_xticks(range(len(tasks)), tasks, fontsize=8)
         ax.set_yticks(range(len(self.matrix)), [f"after {r['trained']} (vocab {r['vocab']})" for r in self.matrix], fontsize=8)
         ax.set_title(f"accuracy, {self.method}", fontsize=9)
-        log_image(self.trainer, "forgetting", save_figure(fig, f"{self.trainer.default_root_dir}/forgetting.png"))
+        log_image(self.trainer, "forgetting", save_figure(fig, artifact_path(self.trainer, "forgetting.png")))
         if self.method == "what_how":
             self._plot_epochs()
 
@@ -605,7 +613,7 @@ class WhatHowModule(pl.LightningModule):
             ax.set_ylabel(task, fontsize=7)
             ax.set_yticks(range(self.what.vocab_size))
         axes[-1, 0].set_xlabel("time step (grey: inferred epoch posterior; red: true epochs)")
-        save_figure(fig, f"{self.trainer.default_root_dir}/inferred_epochs.png")
+        save_figure(fig, artifact_path(self.trainer, "inferred_epochs.png"))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["what_how"] = {"what": self.what.__dict__, "stage": self.stage, "epoch_slot": self.epoch_slot, "matrix": self.matrix}

@@ -38,7 +38,15 @@ from torch import nn
 
 from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure, save_rows
+from lowrank_lit.report import (
+    artifact_path,
+    markdown_table,
+    may_write,
+    new_figure,
+    read_runs,
+    save_figure,
+    save_rows,
+)
 from lowrank_lit.seeding import run_seed
 
 __all__ = [
@@ -279,10 +287,10 @@ class MaskedBlockICL(pl.LightningModule):
                 res = extract_algorithm(self.model, sample[0].to(self.device))
                 for key in ("qk_diag_ratio", "vp_ratio", "eta", "gamma", "gamma_over_eta", "activation_mse"):
                     self.log(f"test/extract_{key}", float(res[key]))
-                if self.trainer.loggers:  # a run directory (not a bare Trainer in someone's working directory)
+                if may_write(self.trainer):
                     rows = [{"layer": i, **{k: float(v) for k, v in layer.items()}} for i, layer in enumerate(res["layers"])]
                     save_rows(self.trainer, rows, "extraction.csv")
-                    plot_weights(res, os.path.join(self.trainer.default_root_dir, "weights.png"))
+                    plot_weights(res, artifact_path(self.trainer, "weights.png"))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)

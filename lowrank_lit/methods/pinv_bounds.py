@@ -39,7 +39,7 @@ from lowrank_lit.linalg import (
     symmetric_noise,
 )
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
+from lowrank_lit.report import artifact_path, log_image, may_write, new_figure, save_figure, save_rows
 
 __all__ = [
     "best_rank_p_inverse",
@@ -230,9 +230,6 @@ class PinvBoundStudy(pl.LightningModule):
         self.rows = []
 
     def _report(self, table: list[dict], slopes: dict, violations: int) -> None:
-        import os
-
-        save_rows(self.trainer, table, "pinv_bounds.csv")
         print(f"{'matrix':14s} {'p':>3s} {'sigma/max':>9s} {'||E||':>9s} {'error':>9s} {'contour':>9s} "
               f"{'EYM-N':>9s} {'cont/err':>8s} {'eym/err':>8s} gap  viol")
         for t in table:
@@ -243,8 +240,11 @@ class PinvBoundStudy(pl.LightningModule):
         for name, s in slopes.items():
             print(f"slopes vs ||E|| {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
         print(f"bound violations: {violations}")
+        if not may_write(self.trainer):
+            return
+        save_rows(self.trainer, table, "pinv_bounds.csv")
         if self.plot:
-            path = os.path.join(self.trainer.default_root_dir, "pinv_bounds.png")
+            path = artifact_path(self.trainer, "pinv_bounds.png")
             _plot_study(table, path)
             log_image(self.trainer, "pinv/plot", path)
 

@@ -50,7 +50,15 @@ from torch import nn
 from lowrank_lit.nn.lowrank_linear import svd_factorize
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import log_image, markdown_table, new_figure, save_figure, save_rows
+from lowrank_lit.report import (
+    artifact_path,
+    log_image,
+    markdown_table,
+    may_write,
+    new_figure,
+    save_figure,
+    save_rows,
+)
 
 __all__ = [
     "EPS_SCHEDULES",
@@ -559,13 +567,11 @@ class TruncationEval(Callback):
 
     @staticmethod
     def _report(trainer: Trainer, rows: list[dict[str, float]]) -> None:
-        import os
-
-
-        save_rows(trainer, rows, "truncation.csv")
         for logger in trainer.loggers:
             logger.log_metrics({f"trunc/acc@{r['keep_fraction']:g}": r["acc"] for r in rows}, step=trainer.global_step)
-        log_image(trainer, "trunc/plot", _plot(rows, os.path.join(trainer.default_root_dir, "truncation.png")))
+        if may_write(trainer):
+            save_rows(trainer, rows, "truncation.csv")
+            log_image(trainer, "trunc/plot", _plot(rows, artifact_path(trainer, "truncation.png")))
         print("keep_fraction  kept_params  test_acc")
         for r in rows:
             print(f"{r['keep_fraction']:13.2f}  {r['kept_params']:11.3f}  {r['acc']:.4f}")

@@ -45,9 +45,11 @@ from lowrank_lit.envs.continuous import ContinuousFamily
 from lowrank_lit.envs.gridnav import SafeGridNav
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
+    artifact_path,
     class_label,
     log_image,
     markdown_table,
+    may_write,
     new_figure,
     read_runs,
     save_figure,
@@ -491,9 +493,8 @@ class SafetyMonitor(Callback):
             at = [r for r in rows if r["step"] == k]
             pl_module.log(f"{stage}/step{k}/J_r", sum(r["J_r"] for r in at) / len(at))
             pl_module.log(f"{stage}/step{k}/J_c", sum(r["J_c"] for r in at) / len(at))
-        if not trainer.is_global_zero or not trainer.default_root_dir:
+        if not may_write(trainer):
             return
-
         save_rows(trainer, rows, f"adaptation_{stage}.csv")
         fig, axes = new_figure(1, 2, figsize=(8, 3))
         for t in sorted({r["task"] for r in rows}):
@@ -504,7 +505,7 @@ class SafetyMonitor(Callback):
         axes[0].set(xlabel="adaptation step", ylabel="J_r")
         axes[1].set(xlabel="adaptation step", ylabel="J_c")
         axes[0].legend(fontsize=7)
-        path = save_figure(fig, f"{trainer.default_root_dir}/adaptation_{stage}.png")
+        path = save_figure(fig, artifact_path(trainer, f"adaptation_{stage}.png"))
         log_image(trainer, f"{stage}/adaptation", path)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:

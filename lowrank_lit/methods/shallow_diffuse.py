@@ -42,7 +42,16 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lowrank_lit.registry import register_method
-from lowrank_lit.report import log_image, markdown_table, new_figure, read_runs, save_figure, save_rows
+from lowrank_lit.report import (
+    artifact_path,
+    log_image,
+    markdown_table,
+    may_write,
+    new_figure,
+    read_runs,
+    save_figure,
+    save_rows,
+)
 
 __all__ = ["DDIMSampler", "RingKey", "ShallowDiffuse", "tree_ring", "pmp_jacobian", "rank_ratio", "null_space_fraction",
            "ATTACKS", "attack", "psnr", "NoiseDataModule", "ShallowDiffuseEval", "summary"]
@@ -464,17 +473,13 @@ class ShallowDiffuseEval(pl.LightningModule):
             frac, self.rank_rows = self._analysis()
             self.log("test/null_fraction", frac)
             self.null_fraction = frac
-        if self.trainer.is_global_zero and self.trainer.loggers:
+        if may_write(self.trainer):
             self._save(curves)
 
     def _save(self, curves: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        import os
-
-
         save_rows(self.trainer, self.rows, "watermark_scores.csv")
         save_rows(self.trainer, self.attack_rows, "watermark_attacks.csv")
         save_rows(self.trainer, self.rank_rows, "rank_ratio.csv")
-        root = self.trainer.default_root_dir
         fig, ax = new_figure(figsize=(5, 4))
         for name, (fpr, tpr) in curves.items():
             ax.plot(fpr.numpy(), tpr.numpy(), label=name)
@@ -482,7 +487,7 @@ class ShallowDiffuseEval(pl.LightningModule):
         ax.set_xlabel("false positive rate")
         ax.set_ylabel("true positive rate")
         ax.legend(fontsize=7)
-        log_image(self.trainer, "watermark/roc", save_figure(fig, os.path.join(root, "roc.png")))
+        log_image(self.trainer, "watermark/roc", save_figure(fig, artifact_path(self.trainer, "roc.png")))
         assert self.first is not None
         clean, marked = self.first
         fig, axes = new_figure(3, len(clean), figsize=(1.2 * len(clean), 3.8), squeeze=False)
@@ -492,7 +497,7 @@ class ShallowDiffuseEval(pl.LightningModule):
                 axes[r, i].axis("off")
         for r, label in enumerate(("clean", "watermarked", "difference x10")):
             axes[r, 0].set_title(label, fontsize=7, loc="left")
-        log_image(self.trainer, "watermark/grid", save_figure(fig, os.path.join(root, "grid.png")))
+        log_image(self.trainer, "watermark/grid", save_figure(fig, artifact_path(self.trainer, "grid.png")))
 
 
 def _fmt(vals: dict[str, float], key: str, spec: str) -> str:

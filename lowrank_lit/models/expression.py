@@ -14,7 +14,6 @@ averaged over genes and groups. Predictions, truths and groups are gathered with
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import nn
 from torchmetrics import CatMetric
 from torchmetrics.functional import pearson_corrcoef, spearman_corrcoef
 
-from lowrank_lit.report import save_rows
+from lowrank_lit.report import may_write, save_rows
 
 __all__ = ["GeneExpressionRegressor", "groupwise_correlation"]
 
@@ -75,7 +74,7 @@ class GeneExpressionRegressor(pl.LightningModule):
     Logs ``train/loss`` and ``{val,test}/{spearman,pearson}`` (mean over genes of the gene-wise
     correlation with the truth inside each group). After testing with a logger, writes
     ``predictions.csv`` (first input column, group, truth and prediction of each gene) to the run
-    directory (``trainer.default_root_dir``).
+    directory.
 
     Args:
         backbone: the network; its output width is the number of genes.
@@ -144,12 +143,10 @@ class GeneExpressionRegressor(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         out = self._eval_end("test")
-        if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+        if may_write(self.trainer):
             self._save_predictions(out)
 
     def _save_predictions(self, out: dict[str, torch.Tensor]) -> None:
-        if not self.trainer.loggers or not os.path.isdir(self.trainer.default_root_dir):
-            return  # no logger, no run directory to write into (e.g. a bare Trainer(logger=False))
         n_genes = out["pred"].shape[1]
         rows = []
         for i in range(len(out["group"])):

@@ -31,7 +31,7 @@ from torch import nn
 
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.metrics import purity
-from lowrank_lit.report import log_image, new_figure, save_figure, save_rows
+from lowrank_lit.report import artifact_path, log_image, may_write, new_figure, save_figure, save_rows
 from lowrank_lit.seeding import run_seed
 from lowrank_lit.tta.base import SourceData, TTAMethod
 
@@ -151,16 +151,15 @@ class TTAModule(pl.LightningModule):
             self.log("test/models", float(self.method.num_models))  # reservoir size, source copy included
             self.log("test/purity", purity(clusters, [r["domain"] for r in self.rows]))
         self.per_recurrence = per_rec
-        if self.trainer.is_global_zero and self.trainer.loggers and os.path.isdir(self.trainer.default_root_dir):
+        if may_write(self.trainer):
             self._save(per_rec)
 
     def _save(self, per_rec: dict[int, float]) -> None:
-
         save_rows(self.trainer, self.rows, "tta_batches.csv")
         save_rows(self.trainer, [{"recurrence": k, "error": v} for k, v in per_rec.items()], "tta_recurrence.csv")
         for name, rows in self.method.tables().items():
             save_rows(self.trainer, rows, name)
-        path = plot_recurrence({type(self.method).__name__: per_rec}, os.path.join(self.trainer.default_root_dir, "tta_recurrence.png"))
+        path = plot_recurrence({type(self.method).__name__: per_rec}, artifact_path(self.trainer, "tta_recurrence.png"))
         log_image(self.trainer, "tta/recurrence", path)
 
 

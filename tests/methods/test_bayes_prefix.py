@@ -22,7 +22,7 @@ from lowrank_lit.methods.bayes_prefix import (
     exact_prefix_regret,
     sequence_log_loss,
 )
-from tests.helpers import CONFIGS, quiet_trainer, run_cli
+from tests.helpers import CONFIGS, quiet_trainer, run_cli, writing_trainer
 
 
 def _dm(source="categorical", **kw):
@@ -208,7 +208,7 @@ def test_meta_training_gives_small_regret_against_dirichlet_bayes():
 
 def test_regret_callback_writes_csv_and_png(tmp_path):
     tuner = PrefixTuningModule(_pred(), method="soft", prefix_len=2, untrained=True)
-    trainer = quiet_trainer(default_root_dir=str(tmp_path), callbacks=[RegretCurveCallback()])
+    trainer = writing_trainer(tmp_path, callbacks=[RegretCurveCallback()])
     trainer.test(tuner, datamodule=_dm(), verbose=False)
     lines = (tmp_path / "regret.csv").read_text().splitlines()
     assert lines[0] == "t,bayes_best,bayes_none,model" and len(lines) == 31

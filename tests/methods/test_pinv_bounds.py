@@ -18,7 +18,7 @@ from lowrank_lit.methods.pinv_bounds import (
     max_noise_std,
     symmetric_noise,
 )
-from tests.helpers import quiet_trainer
+from tests.helpers import writing_trainer
 
 D = torch.float64
 
@@ -165,7 +165,7 @@ def test_study_on_user_matrix(tmp_path):
     dm = MatrixDataModule(matrices=[], matrix_files=[str(tmp_path / "mine.npy")], p=5,
                           noise_multiples=[0.5, 0.05, 0.005], draws=3)
     study = PinvBoundStudy(plot=True)
-    trainer = quiet_trainer(default_root_dir=tmp_path)
+    trainer = writing_trainer(tmp_path)
     trainer.test(study, dm)
     assert trainer.callback_metrics["pinv/violations"] == 0
     assert abs(float(trainer.callback_metrics["pinv/mine/slope_error"]) - 1.0) < 0.1
