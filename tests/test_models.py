@@ -89,3 +89,41 @@ def test_registry_baseline_entry():
     info = registry.get_method("baseline")
     assert info.target == "lowrank_lit.models.classifier.ImageClassifier"
     assert "configs/baseline/mlp_digits.yaml" in info.configs()
+
+
+def test_prompt_checkpoints_hold_what_trains_and_reload_strictly(tmp_path):
+    """A pretrained frozen backbone is left out of the checkpoint and put back from its source on loading."""
+    from lowrank_lit.models.text import PromptTunedClassifier
+    from lowrank_lit.nn.prompts import SoftPrompt
+
+    def build():
+        return PromptTunedClassifier(num_layers=1, prompt=SoftPrompt(prompt_len=4, hidden=384))
+
+    torch.manual_seed(0)
+    model = build()
+    with torch.no_grad():
+        model.head.weight.normal_()
+        model.encoder.prompt.prompt_embeddings.add_(1.0)
+    checkpoint = {"state_dict": model.state_dict()}
+    model.on_save_checkpoint(checkpoint)
+    kept = set(checkpoint["state_dict"])
+    assert kept == {k for k in model.state_dict() if not k.startswith(("encoder.backbone.", "encoder.layers."))}
+    assert {"head.weight", "encoder.prompt.prompt_embeddings"} <= kept and checkpoint["frozen_backbone_omitted"]
+    torch.manual_seed(1)
+    fresh = build()
+    fresh.on_load_checkpoint(checkpoint)
+    fresh.load_state_dict(checkpoint["state_dict"], strict=True)  # strict: the backbone came back from the source
+    ids, mask = torch.randint(1000, 2000, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    model.eval(), fresh.eval()
+    assert torch.equal(model(ids, mask)[0], fresh(ids, mask)[0])
+
+
+def test_random_init_backbone_is_saved_whole():
+    from lowrank_lit.models.text import PromptTunedLM
+
+    cfg = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_key_value_heads": 1}
+    model = PromptTunedLM(backbone_config=cfg, tokenizer=None)
+    checkpoint = {"state_dict": model.state_dict()}
+    model.on_save_checkpoint(checkpoint)  # no source to read the weights from again: everything stays
+    assert set(checkpoint["state_dict"]) == set(model.state_dict()) and "frozen_backbone_omitted" not in checkpoint

@@ -9,6 +9,8 @@
   input of every layer through forward pre-hooks, so any encoder or decoder whose layers sit in one
   ``nn.ModuleList`` works (BERT ``encoder.layer``, Llama ``model.layers``, GPT-2 ``h``).
 * :class:`PromptTunedClassifier`: frozen encoder + prompt + a trainable masked-mean-pool linear head.
+  Its checkpoints, and :class:`PromptTunedLM`'s, leave out the weights of a pretrained frozen backbone (they are
+  read from the backbone's path again): a 1B-parameter LM's prompt run writes megabytes, not gigabytes.
 * :class:`PromptTunedLM`: frozen causal LM + prompt, next-token loss on target positions only.
 * :class:`SentenceEncoder`: a (trainable) encoder with mean or [CLS] pooling, e.g. a retriever tower.
 """
@@ -324,7 +326,33 @@ def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
     return purity(domain.tolist(), expert.tolist())
 
 
-class PromptTunedClassifier(pl.LightningModule):
+class _TrainedStateOnly:
+    """Checkpoint hooks of a LightningModule around a pretrained frozen backbone (attribute ``_frozen_owner``, a
+    :class:`PromptedBackbone`): ``last.ckpt`` holds what trains (prompt, adapters ``lora_*``, head) and the module
+    puts the backbone's own weights back on loading, so loading stays strict. A random-init backbone (no
+    pretrained source to read again) is saved whole."""
+
+    _frozen_owner: str
+    pretrained: bool
+
+    def _frozen_keys(self, state: dict[str, Any]) -> list[str]:
+        heads = (f"{self._frozen_owner}.backbone.", f"{self._frozen_owner}.layers.")
+        return [k for k in state if k.startswith(heads) and ".lora_" not in k]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.pretrained:
+            state = checkpoint["state_dict"]
+            for key in self._frozen_keys(state):
+                del state[key]
+            checkpoint["frozen_backbone_omitted"] = True
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if checkpoint.get("frozen_backbone_omitted"):
+            own = self.state_dict()  # type: ignore[attr-defined]
+            checkpoint["state_dict"].update({k: own[k] for k in self._frozen_keys(own)})
+
+
+class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
     """Frozen text encoder + one prompt method and/or adapters + a masked-mean-pool linear head (zero-initialised).
 
     Batches are ``(input_ids, attention_mask, label, domain)`` (see
@@ -398,6 +426,7 @@ class PromptTunedClassifier(pl.LightningModule):
             self.adapted = inject_adapters(model, targets, adapter, owner="PromptTunedClassifier: adapter_targets")
         self.lr_adapter = lr_adapter
         self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
+        self._frozen_owner = "encoder"
         self.encoder.init_prompt_from_text(backbone)
         self.head = nn.Linear(self.encoder.hidden_size, num_classes)
         nn.init.zeros_(self.head.weight)  # the same head start for every prompt method (and no init noise)
@@ -547,7 +576,7 @@ class PromptTunedClassifier(pl.LightningModule):
         return torch.optim.AdamW(groups, weight_decay=self.weight_decay)
 
 
-class PromptTunedLM(pl.LightningModule):
+class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
     """Frozen causal LM + one prompt method; loss only on target (non-prompt, label != -100) positions.
 
     Batches are dicts with ``input_ids``, ``attention_mask``, ``labels`` (-100 where no loss is taken) and
@@ -580,6 +609,7 @@ class PromptTunedLM(pl.LightningModule):
         disable_dropout(model)
         model.train()
         self.lm = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
+        self._frozen_owner = "lm"
         self.lm.init_prompt_from_text(tokenizer or backbone)
         self.lr, self.warmup_steps = lr, warmup_steps
 

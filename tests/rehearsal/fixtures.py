@@ -245,3 +245,32 @@ def tree(root: Path, depth: int = 3, limit: int = 12) -> str:
         if len(rel.parts) <= depth:
             lines.append("    " * (len(rel.parts) - 1) + "|-- " + rel.name + ("/" if p.is_dir() else ""))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- DDP check
+try:
+    from lightning.pytorch import Callback as _Callback
+except ImportError:  # pragma: no cover
+    _Callback = object  # type: ignore[assignment,misc]
+
+
+class RankAgreement(_Callback):
+    """At the end of fit, every rank sums its parameters; rank 0 writes ``rank_agreement.json`` with all ranks' sums
+    (DDP keeps them equal; a rank that trained on its own would differ)."""
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        total = torch.stack([p.detach().double().sum() for p in pl_module.parameters()]).sum().reshape(1).to(pl_module.device)
+        sums = trainer.strategy.all_gather(total).reshape(-1).tolist()
+        if trainer.is_global_zero:
+            from lowrank_lit.report import artifact_path
+
+            with open(artifact_path(trainer, "rank_agreement.json"), "w") as f:
+                json.dump({"world_size": trainer.world_size, "sums": sums}, f)
+
+
+def ranks_agree(run: Path, world_size: int = 2) -> list[float]:
+    """The per-rank parameter sums :class:`RankAgreement` wrote; asserts there are ``world_size`` equal ones."""
+    data = json.loads((run / "rank_agreement.json").read_text())
+    assert data["world_size"] == world_size and len(data["sums"]) == world_size, data
+    assert max(data["sums"]) - min(data["sums"]) <= 1e-9 * max(1.0, abs(data["sums"][0])), data
+    return data["sums"]

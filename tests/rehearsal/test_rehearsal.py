@@ -11,6 +11,7 @@ also reload their checkpoint with ``lowrank test --ckpt_path``. DDP configs run 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.rehearsal
 
 QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", *QUIET]
+#: two gloo processes, and a check that they end with the same weights
+DDP = ["--trainer.accelerator=cpu", "--trainer.devices=2", *QUIET, "--trainer.callbacks+=tests.rehearsal.fixtures.RankAgreement"]
 #: a few optimizer steps with one validation pass
 FIT_STEPS = ["--trainer.max_steps=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
              "--trainer.val_check_interval=2", "--trainer.check_val_every_n_epoch=null", "--trainer.log_every_n_steps=1"]
@@ -67,12 +70,12 @@ def _finite(run: Path, *keys: str) -> dict[str, float]:
     return metrics
 
 
-def _reload(config: str, run: Path, paths: dict[str, str], extra: list[str], run_root: Path) -> Path:
-    """``lowrank test --ckpt_path <run>/checkpoints/last.ckpt`` through the same config and paths."""
+def _reload(config: str, run: Path, paths: dict[str, str], extra: list[str], run_root: Path, sub: str = "test") -> Path:
+    """``lowrank test --ckpt_path <run>/checkpoints/last.ckpt`` (or ``validate``) through the same config and paths."""
     ckpt = run / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
     fit = _command(config)
-    args = ["test", *fx.with_overrides(fit[1:], paths, extra), f"--ckpt_path={ckpt}", "--test_after_fit=false"]
+    args = [sub, *fx.with_overrides(fit[1:], paths, extra), f"--ckpt_path={ckpt}", "--test_after_fit=false"]
     assert run_cli(*args, run_root=run_root) == 0
     return _only_run(run_root)
 
@@ -183,3 +186,63 @@ def test_tiny_fixture_models_load_with_their_auto_classes(tmp_path):
         assert model.config.model_type == name and tok.eos_token_id is not None
         ids = tok("The river runs north", return_tensors="pt").input_ids
         assert torch.isfinite(model(ids).logits).all()
+
+
+# ----------------------------------------------------------------------------------------- PT-MoE, Skrull, SeDPO
+def test_pt_moe_llama_1b(tmp_path):
+    model = fx.tiny_llama(tmp_path / "Llama-3.2-1B-Instruct", hidden=64)
+    paths = {"data.init_args.train_path": fx.write_jsonl(tmp_path / "qa" / "train.jsonl", fx.qa_records(48, 0)),
+             "data.init_args.val_path": fx.write_jsonl(tmp_path / "qa" / "dev.jsonl", fx.qa_records(16, 1)),
+             "model.init_args.backbone": model, "data.init_args.tokenizer": model}
+    extra = [*CPU, *FIT_STEPS, "--model.init_args.prompt.init_args.hidden=64", "--data.init_args.batch_size=8"]
+    run = _rehearse("pt_moe/llama_1b_gpu.yaml", paths, extra, tmp_path / "runs")
+    _finite(run, "train/loss_step", "val/loss", "val/token_acc")
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    # what trains only: the prompt; the frozen Llama is read from its folder again
+    assert any(".prompt." in k for k in ckpt["state_dict"]) and not any(".layers." in k for k in ckpt["state_dict"])
+    _finite(_reload("pt_moe/llama_1b_gpu.yaml", run, paths, [*CPU, "--trainer.limit_val_batches=1", extra[-2]], tmp_path / "re",
+                    sub="validate"), "val/loss")
+
+
+def test_skrull_sft_jsonl_ddp(tmp_path):
+    model = fx.tiny_qwen2(tmp_path / "Qwen2.5-0.5B")
+    rng = np.random.default_rng(0)
+    records = [{"text": " ".join(fx.sentences(int(rng.integers(1, 12)), seed=i))} for i in range(64)]
+    paths = {"data.init_args.jsonl": fx.write_jsonl(tmp_path / "sft.jsonl", records),
+             "model.init_args.model.init_args.name_or_path": model, "data.init_args.tokenizer": model}
+    extra = [*DDP, "--trainer.max_steps=2", "--trainer.log_every_n_steps=1", "--data.init_args.global_batch_size=8",
+             "--model.init_args.model.init_args.dtype=float32"]
+    run = _rehearse("skrull/sft_jsonl_gpu.yaml", paths, extra, tmp_path / "runs", processes=2)
+    _finite(run, "train/loss")
+    fx.ranks_agree(run)
+
+
+def test_icl_gptneo_score_ddp_then_sedpo_fit(tmp_path):
+    import random
+
+    from lowrank_lit.data.icl import sentiment_records
+    from lowrank_lit.methods.icl_rank_retriever import ScoreCache
+
+    rng = random.Random(0)
+    files = {name: fx.write_jsonl(tmp_path / "task" / f"{name}.jsonl", sentiment_records(n, rng, start_id=start))
+             for name, n, start in (("pool", 60, 0), ("train", 6, 1000), ("test", 3, 2000))}
+    cache = str(tmp_path / "task" / "score_cache")
+    data = {"data.init_args.pool_path": files["pool"], "data.init_args.train_path": files["train"],
+            "data.init_args.test_path": files["test"], "data.init_args.cache_dir": cache}
+    neo = fx.tiny_gpt_neo(tmp_path / "gpt-neo-2.7B")
+    # stage 1 on 2 ranks: each scores its shard of the (query, candidate) jobs into its own cache file
+    _rehearse("icl_rank_retriever/gptneo_score_gpu.yaml", {**data, "model.init_args.scorer.init_args.backbone": neo},
+              ["--trainer.accelerator=cpu", "--trainer.devices=2", *QUIET], tmp_path / "score",
+              processes=2)
+    shards = [{(r["query_id"], r["candidate_id"]) for r in map(json.loads, (Path(cache) / f"scores.rank{k}.jsonl").open())}
+              for k in (0, 1)]
+    assert shards[0] and shards[1] and not shards[0] & shards[1]  # the ranks scored disjoint shards
+    assert len(ScoreCache(cache).load()) == 6 * 50 + 3 * 60  # every job scored once
+    # stage 2: the BERT towers train on the cached scores (no scorer loaded)
+    bert = fx.tiny_bert(tmp_path / "bert-base-uncased")
+    paths = {**data, "data.init_args.tokenizer": bert, "model.init_args.query_encoder.init_args.backbone": bert,
+             "model.init_args.exemplar_encoder.init_args.backbone": bert}
+    run = _rehearse("icl_rank_retriever/gptneo_gpu.yaml", paths, [*CPU, *FIT_STEPS, "--trainer.limit_test_batches=1"],
+                    tmp_path / "runs")
+    _finite(run, "train/loss_step", "test/spearman")
+    _reload("icl_rank_retriever/gptneo_gpu.yaml", run, paths, [*CPU, "--trainer.limit_test_batches=1"], tmp_path / "re")
