@@ -479,7 +479,8 @@ class ShallowDiffuseEval(pl.LightningModule):
     def _save(self, curves: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         save_rows(self.trainer, self.rows, "watermark_scores.csv")
         save_rows(self.trainer, self.attack_rows, "watermark_attacks.csv")
-        save_rows(self.trainer, self.rank_rows, "rank_ratio.csv")
+        if self.rank_rows:  # the Jacobian analysis ran (analysis=true)
+            save_rows(self.trainer, self.rank_rows, "rank_ratio.csv")
         fig, ax = new_figure(figsize=(5, 4))
         for name, (fpr, tpr) in curves.items():
             ax.plot(fpr.numpy(), tpr.numpy(), label=name)

@@ -274,3 +274,39 @@ def ranks_agree(run: Path, world_size: int = 2) -> list[float]:
     assert data["world_size"] == world_size and len(data["sums"]) == world_size, data
     assert max(data["sums"]) - min(data["sums"]) <= 1e-9 * max(1.0, abs(data["sums"][0])), data
     return data["sums"]
+
+
+# ----------------------------------------------------------------------------------------- diffusion
+def clip_tokenizer() -> Any:
+    """A CLIP BPE tokenizer in CLIP's format (byte symbols, ``</w>`` word ends, two merges)."""
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    vocab = symbols + [s + "</w>" for s in symbols] + ["th", "the</w>", "<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[("t", "h"), ("th", "e</w>")], model_max_length=77)
+
+
+def tiny_stable_diffusion(path: Path) -> str:
+    """A Stable Diffusion 2.1-layout folder (``model_index.json``, ``unet/``, ``vae/``, ``text_encoder/``,
+    ``tokenizer/``, ``scheduler/``) written by diffusers' ``StableDiffusionPipeline.save_pretrained``, tiny modules."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    tokenizer = clip_tokenizer()
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
+                                attention_head_dim=2, norm_num_groups=4, use_linear_projection=True)  # SD 2.x: linear proj
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), norm_num_groups=4,
+                        down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",))
+    text = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, max_position_embeddings=77, projection_dim=16,
+                                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id))
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1, prediction_type="epsilon")  # 2.1-base
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(path)
+    return str(path)

@@ -246,3 +246,36 @@ def test_icl_gptneo_score_ddp_then_sedpo_fit(tmp_path):
                     tmp_path / "runs")
     _finite(run, "train/loss_step", "test/spearman")
     _reload("icl_rank_retriever/gptneo_gpu.yaml", run, paths, [*CPU, "--trainer.limit_test_batches=1"], tmp_path / "re")
+
+
+# ----------------------------------------------------------------------------------------- TRUST, Shallow Diffuse
+TINY_VMAMBA = ["--model.init_args.model.init_args.dim=[8, 16, 32, 64]", "--model.init_args.model.init_args.depth=[1, 1, 2, 1]",
+               "--model.init_args.model.init_args.img_size=32", "--data.init_args.img_size=32", "--data.init_args.resize=36"]
+
+
+def test_trust_vmamba_tiny_imagenet_c(tmp_path):
+    from lowrank_lit.data.imagenet_c import IMAGENET_C_CORRUPTIONS
+    from lowrank_lit.models.vmamba import TinyVMamba
+
+    data = fx.imagenet_c(tmp_path / "ImageNet-C", IMAGENET_C_CORRUPTIONS, classes=3, per_class=2)
+    # the source checkpoint: a plain state dict with this implementation's parameter names (the header's format)
+    torch.manual_seed(0)
+    source = TinyVMamba(in_chans=3, num_classes=1000, dim=[8, 16, 32, 64], depth=[1, 1, 2, 1], d_state=1, img_size=32,
+                        stem_stride=4, norm="bn")
+    torch.save(source.state_dict(), tmp_path / "vmamba_t.pth")
+    paths = {"data.init_args.data_dir": data, "model.init_args.source_ckpt": str(tmp_path / "vmamba_t.pth")}
+    run = _rehearse("trust/vmamba_tiny_imagenetc_gpu.yaml", paths, [*CPU, *TINY_VMAMBA], tmp_path / "runs")
+    _finite(run, "test/error")
+    rows = Run(run).rows("tta_batches.csv")
+    assert len({r["domain"] for r in rows}) == len(IMAGENET_C_CORRUPTIONS)  # every corruption was visited
+
+
+def test_shallow_diffuse_sd21(tmp_path):
+    model_dir = fx.tiny_stable_diffusion(tmp_path / "stable-diffusion-2-1-base")
+    assert {"unet", "vae", "text_encoder", "tokenizer", "scheduler"} <= {p.name for p in Path(model_dir).iterdir()}
+    paths = {"model.init_args.denoiser.init_args.model_dir": model_dir}
+    run = _rehearse("shallow_diffuse/sd21_gpu.yaml", paths, [*CPU, "--data.init_args.n=4", "--data.init_args.batch_size=2",
+                    "--model.init_args.steps=5"], tmp_path / "runs")
+    metrics = _finite(run, "test/auc_clean", "test/tpr1_clean")
+    assert 0.0 <= metrics["test/auc_clean"] <= 1.0
+    assert (run / "watermark_scores.csv").is_file() and (run / "roc.png").is_file()
