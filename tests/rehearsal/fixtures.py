@@ -310,3 +310,25 @@ def tiny_stable_diffusion(path: Path) -> str:
                                    safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe.save_pretrained(path)
     return str(path)
+
+
+# ----------------------------------------------------------------------------------------- gaze
+def gaze_folder(root: Path, splits: dict[str, int], size: int = 48) -> dict[str, str]:
+    """Face crops (png) and one csv per split (``path`` relative to ``root``, ``pitch``, ``yaw`` in radians,
+    ``glasses``), the layout :class:`lowrank_lit.data.gaze_folder.GazeFolderDataModule` reads. Returns csv paths."""
+    import csv
+
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    out = {}
+    for split, n in splits.items():
+        (root / split).mkdir(parents=True, exist_ok=True)
+        with open(root / f"{split}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["path", "pitch", "yaw", "glasses"])
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)).save(root / split / f"{i:04d}.png")
+                w.writerow([f"{split}/{i:04d}.png", f"{rng.uniform(-0.4, 0.4):.4f}", f"{rng.uniform(-0.6, 0.6):.4f}", i % 2])
+        out[split] = str(root / f"{split}.csv")
+    return out

@@ -279,3 +279,23 @@ def test_shallow_diffuse_sd21(tmp_path):
     metrics = _finite(run, "test/auc_clean", "test/tpr1_clean")
     assert 0.0 <= metrics["test/auc_clean"] <= 1.0
     assert (run / "watermark_scores.csv").is_file() and (run / "roc.png").is_file()
+
+
+# ----------------------------------------------------------------------------------------- 3DPE-Gaze
+def test_gaze_3dpe_real_ddp(tmp_path):
+    # the parameter encoder at the config's width, from the prior-domain pretraining config (a few batches)
+    enc = _rehearse("gaze_3dpe/param_encoder_prior.yaml", {}, [*CPU, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+                    "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1", "--model.init_args.encoder.init_args.width=64",
+                    "--data.init_args.train_size=64", "--data.init_args.val_size=32", "--data.init_args.test_size=32"],
+                    tmp_path / "enc")
+    csvs = fx.gaze_folder(tmp_path / "gaze", {"eth_xgaze_train": 16, "eth_xgaze_val": 8, "mpiifacegaze": 8, "eyediap": 8})
+    paths = {"data.init_args.root": str(tmp_path / "gaze"), "data.init_args.train_csv": csvs["eth_xgaze_train"],
+             "data.init_args.val_csv": csvs["eth_xgaze_val"],
+             "data.init_args.test_csvs": f"{{mpiifacegaze: {csvs['mpiifacegaze']}, eyediap: {csvs['eyediap']}}}",
+             "model.init_args.encoder_ckpt": str(enc / "checkpoints" / "last.ckpt")}
+    extra = [*DDP, "--trainer.max_epochs=2", "--model.init_args.stage1_epochs=1", "--trainer.limit_train_batches=1",
+             "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1", "--data.init_args.batch_size=4",
+             "--data.init_args.num_workers=0", "--trainer.log_every_n_steps=1"]
+    run = _rehearse("gaze_3dpe/real_gpu.yaml", paths, extra, tmp_path / "runs", processes=2)
+    _finite(run, "test/angle_deg", "test/mpiifacegaze/angle_deg", "test/eyediap/angle_deg")
+    fx.ranks_agree(run)
