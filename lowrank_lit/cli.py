@@ -13,6 +13,7 @@ and a few of ours, which do not import Lightning until they need it::
     lowrank sweep SWEEP.yaml           a W&B sweep file, offline with optuna
     lowrank submit --config C.yaml     an sbatch script
     lowrank summarize SLUG RUN_ROOT    a method's result table from its runs
+    lowrank convert vmamba --src S --out O   official VMamba weights -> this implementation's names
 
 Every run writes to ``<run_root>/<experiment>/<run_id>/`` (see :mod:`lowrank_lit.launch.run_dir`):
 the resolved ``config.yaml``, CSV metrics, checkpoints and, with ``callbacks/wandb.yaml``, the
@@ -136,8 +137,39 @@ def cmd_summarize(argv: Sequence[str]) -> int:
     return summarize_main(list(argv))
 
 
+def cmd_convert(argv: Sequence[str]) -> int:
+    """``lowrank convert vmamba --src official.pth --out converted.pth [--depths 2 2 8 2]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="lowrank convert", description="Convert released weights to this project's names.")
+    parser.add_argument("model", choices=["vmamba"], help="the architecture of the weights")
+    parser.add_argument("--src", required=True, help="the official checkpoint (e.g. vssm1_tiny_0230s_ckpt_epoch_264.pth)")
+    parser.add_argument("--out", required=True, help="where to write the converted state dict (refused if it exists)")
+    parser.add_argument("--depths", type=int, nargs="+", default=[2, 2, 8, 2], help="blocks per stage (VMamba-T: 2 2 8 2)")
+    opts = parser.parse_args(list(argv))
+    if not Path(opts.src).is_file():
+        print(f"lowrank convert: error: --src: file {opts.src!r} does not exist", file=sys.stderr)
+        return 2
+    if Path(opts.out).exists():
+        print(f"lowrank convert: error: --out: {opts.out!r} exists; choose a new file", file=sys.stderr)
+        return 2
+    import torch
+
+    from lowrank_lit.models.vmamba import convert_official_vmamba
+
+    state = torch.load(opts.src, map_location="cpu", weights_only=True)
+    try:
+        converted = convert_official_vmamba(state, opts.depths)
+    except ValueError as exc:
+        print(f"lowrank convert: error: {exc}", file=sys.stderr)
+        return 2
+    torch.save(converted, opts.out)
+    print(f"{len(converted)} tensors -> {opts.out} (TinyVMamba names; give it as source_ckpt)")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize,
+    "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize, "convert": cmd_convert,
 }
 
 

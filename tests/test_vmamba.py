@@ -135,3 +135,122 @@ def test_hierarchical_vmamba_stages_and_stem():
         TinyVMamba(dim=[8, 16], depth=[1])
     with pytest.raises(ValueError, match="stem_stride=3; allowed: 1, 2, 4"):
         TinyVMamba(stem_stride=3)
+
+
+# ----------------------------------------------------------------------------------------- official VMamba weights
+def _official_shapes(depths, dims, d_state=1, in_chans=3, num_classes=1000):
+    """Parameter names and shapes of the official VMamba (channel-first ln2d model, v2 patch embed, v3 downsampling,
+    ``forward_type="v05_noz"``, no SS2D biases), written from its module structure."""
+    import math
+
+    c0, n = dims[0], d_state
+    s = {"patch_embed.0.weight": (c0 // 2, in_chans, 3, 3), "patch_embed.0.bias": (c0 // 2,),
+         "patch_embed.2.weight": (c0 // 2,), "patch_embed.2.bias": (c0 // 2,),
+         "patch_embed.5.weight": (c0, c0 // 2, 3, 3), "patch_embed.5.bias": (c0,),
+         "patch_embed.7.weight": (c0,), "patch_embed.7.bias": (c0,)}
+    for i, (depth, d) in enumerate(zip(depths, dims, strict=True)):
+        r = math.ceil(d / 16)
+        for j in range(depth):
+            p = f"layers.{i}.blocks.{j}."
+            s.update({p + "norm.weight": (d,), p + "norm.bias": (d,), p + "op.in_proj.weight": (d, d),
+                      p + "op.conv2d.weight": (d, 1, 3, 3), p + "op.x_proj_weight": (4, r + 2 * n, d),
+                      p + "op.dt_projs_weight": (4, d, r), p + "op.dt_projs_bias": (4, d), p + "op.A_logs": (4 * d, n),
+                      p + "op.Ds": (4 * d,), p + "op.out_norm.weight": (d,), p + "op.out_norm.bias": (d,),
+                      p + "op.out_proj.weight": (d, d), p + "norm2.weight": (d,), p + "norm2.bias": (d,),
+                      p + "mlp.fc1.weight": (4 * d, d), p + "mlp.fc1.bias": (4 * d,), p + "mlp.fc2.weight": (d, 4 * d),
+                      p + "mlp.fc2.bias": (d,)})
+        if i < len(depths) - 1:
+            s.update({f"layers.{i}.downsample.1.weight": (dims[i + 1], d, 3, 3), f"layers.{i}.downsample.1.bias": (dims[i + 1],),
+                      f"layers.{i}.downsample.3.weight": (dims[i + 1],), f"layers.{i}.downsample.3.bias": (dims[i + 1],)})
+    s.update({"classifier.norm.weight": (dims[-1],), "classifier.norm.bias": (dims[-1],),
+              "classifier.head.weight": (num_classes, dims[-1]), "classifier.head.bias": (num_classes,)})
+    return s
+
+
+def test_official_vmamba_t_converts_key_for_key_at_full_size():
+    """VMamba-T (vmamba_tiny_s1l8) on the meta device: every official key maps, none is left over, shapes equal."""
+    from lowrank_lit.models.vmamba import convert_official_vmamba
+
+    depths, dims = [2, 2, 8, 2], [96, 192, 384, 768]
+    official = {k: torch.empty(shape, device="meta") for k, shape in _official_shapes(depths, dims).items()}
+    with torch.device("meta"):
+        ours = TinyVMamba(in_chans=3, num_classes=1000, dim=dims, depth=depths, d_state=1, img_size=224, stem_stride=4,
+                          norm="ln2d", ssm_bias=False)
+    converted = convert_official_vmamba({"model": official}, depths)
+    own = ours.state_dict()
+    assert set(converted) == set(own)
+    assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(v.shape) for k, v in own.items()}
+    n = sum(p.numel() for p in ours.parameters())
+    assert n == sum(v.numel() for v in official.values()) == 30_249_064  # the paper's table: 30 M
+    with pytest.raises(ValueError, match="match no official VMamba name"):
+        convert_official_vmamba(official, [2, 2, 9, 2][:3])
+
+
+def _official_forward(sd, x, depths):
+    """The official VMamba forward (channel first, v05_noz) written against the official parameter names."""
+    import torch.nn.functional as F
+
+    from lowrank_lit.models.vmamba import cross_merge, cross_scan, selective_scan_ref
+
+    def ln2d(h, key):
+        return F.layer_norm(h.permute(0, 2, 3, 1), h.shape[1:2], sd[key + ".weight"], sd[key + ".bias"]).permute(0, 3, 1, 2)
+
+    def ss2d(h, p):
+        b, d, H, W = h.shape
+        h = F.silu(F.conv2d(F.conv2d(h, sd[p + "in_proj.weight"][:, :, None, None]), sd[p + "conv2d.weight"], padding=1, groups=d))
+        xs = cross_scan(h)  # (b, 4, d, H W)
+        n, r = sd[p + "A_logs"].shape[1], sd[p + "dt_projs_weight"].shape[2]
+        ys = []
+        for k in range(4):
+            dbl = torch.einsum("cd,bdl->bcl", sd[p + "x_proj_weight"][k], xs[:, k])
+            dt, Bm, Cm = dbl.split([r, n, n], 1)
+            delta = F.softplus(torch.einsum("dr,brl->bdl", sd[p + "dt_projs_weight"][k], dt) + sd[p + "dt_projs_bias"][k][:, None])
+            A = -torch.exp(sd[p + "A_logs"].view(4, d, n)[k])
+            y = selective_scan_ref(xs[:, k].transpose(1, 2), delta.transpose(1, 2), A, Bm.transpose(1, 2), Cm.transpose(1, 2),
+                                   sd[p + "Ds"].view(4, d)[k])
+            ys.append(y.transpose(1, 2))
+        y = cross_merge(torch.stack(ys, 1), H, W).view(b, d, H, W)
+        return F.conv2d(ln2d(y, p + "out_norm"), sd[p + "out_proj.weight"][:, :, None, None])
+
+    h = F.conv2d(x, sd["patch_embed.0.weight"], sd["patch_embed.0.bias"], stride=2, padding=1)
+    h = F.conv2d(F.gelu(ln2d(h, "patch_embed.2")), sd["patch_embed.5.weight"], sd["patch_embed.5.bias"], stride=2, padding=1)
+    h = ln2d(h, "patch_embed.7")
+    for i, depth in enumerate(depths):
+        for j in range(depth):
+            p = f"layers.{i}.blocks.{j}."
+            h = h + ss2d(ln2d(h, p + "norm"), p + "op.")
+            m = F.conv2d(ln2d(h, p + "norm2"), sd[p + "mlp.fc1.weight"][:, :, None, None], sd[p + "mlp.fc1.bias"])
+            h = h + F.conv2d(F.gelu(m), sd[p + "mlp.fc2.weight"][:, :, None, None], sd[p + "mlp.fc2.bias"])
+        if i < len(depths) - 1:
+            h = F.conv2d(h, sd[f"layers.{i}.downsample.1.weight"], sd[f"layers.{i}.downsample.1.bias"], stride=2, padding=1)
+            h = ln2d(h, f"layers.{i}.downsample.3")
+    return F.linear(ln2d(h, "classifier.norm").mean((2, 3)), sd["classifier.head.weight"], sd["classifier.head.bias"])
+
+
+def test_converted_tiny_official_weights_give_the_official_logits():
+    from lowrank_lit.models.vmamba import convert_official_vmamba
+
+    depths, dims = [1, 2], [8, 16]
+    g = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(shape, generator=g) * 0.3 for k, shape in _official_shapes(depths, dims, num_classes=5).items()}
+    for k in [k for k in sd if k.endswith("A_logs")]:
+        sd[k] = torch.rand(sd[k].shape, generator=g)  # A = -exp(A_log) in (-e, -1)
+    x = torch.randn(2, 3, 32, 32, generator=g)
+    want = _official_forward(sd, x, depths)
+    ours = TinyVMamba(in_chans=3, num_classes=5, dim=dims, depth=depths, d_state=1, img_size=32, stem_stride=4, norm="ln2d",
+                      ssm_bias=False, parallel_scan=False).eval()
+    ours.load_state_dict(convert_official_vmamba(sd, depths), strict=True)
+    torch.testing.assert_close(ours(x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_convert_command_writes_a_source_checkpoint(tmp_path):
+    from lowrank_lit.cli import main
+
+    sd = {k: torch.zeros(shape) for k, shape in _official_shapes([1, 2], [8, 16], num_classes=5).items()}
+    torch.save({"model": sd}, tmp_path / "official.pth")
+    out = tmp_path / "ours.pth"
+    assert main(["convert", "vmamba", "--src", str(tmp_path / "official.pth"), "--out", str(out), "--depths", "1", "2"]) == 0
+    model = TinyVMamba(in_chans=3, num_classes=5, dim=[8, 16], depth=[1, 2], d_state=1, img_size=32, stem_stride=4,
+                       norm="ln2d", ssm_bias=False)
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    assert main(["convert", "vmamba", "--src", str(tmp_path / "official.pth"), "--out", str(out)]) == 2  # never overwrites

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["selective_scan_ref", "selective_scan", "cross_scan", "cross_merge", "SS2D", "TinyVMamba", "PERMUTATIONS",
-           "check_permutation", "set_traversal"]
+__all__ = ["selective_scan_ref", "selective_scan", "cross_scan", "cross_merge", "SS2D", "TinyVMamba", "LayerNorm2d",
+           "PERMUTATIONS", "check_permutation", "set_traversal", "convert_official_vmamba"]
 
 #: the 24 traversal permutations of the four scan directions, identity first
 PERMUTATIONS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(4)))
@@ -100,16 +100,17 @@ class SS2D(nn.Module):
         d_state: N, the state size. Default: 4.
         dt_rank: rank of the ``dt`` projection; None: ``ceil(C / 16)``. Default: None.
         parallel: use the parallel scan. Default: True.
+        bias: biases on ``in_proj``, the depthwise conv and ``out_proj`` (the official VMamba-T has none). Default: True.
     """
 
-    def __init__(self, dim: int, d_state: int = 4, dt_rank: int | None = None, parallel: bool = True) -> None:
+    def __init__(self, dim: int, d_state: int = 4, dt_rank: int | None = None, parallel: bool = True, bias: bool = True) -> None:
         super().__init__()
         if dim < 1 or d_state < 1:
             raise ValueError(f"SS2D: dim={dim}, d_state={d_state}; allowed: integers >= 1")
         r = dt_rank or math.ceil(dim / 16)
         self.dim, self.d_state, self.dt_rank, self.parallel = dim, d_state, r, parallel
-        self.in_proj = nn.Conv2d(dim, dim, 1)
-        self.conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim)
+        self.in_proj = nn.Conv2d(dim, dim, 1, bias=bias)
+        self.conv2d = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=bias)
         self.x_proj = nn.Parameter(torch.randn(4, r + 2 * d_state, dim) / math.sqrt(dim))  # (K, R + 2N, d)
         self.dt_proj_weight = nn.Parameter(torch.randn(4, dim, r) * r**-0.5)  # (K, d, R)
         dt = torch.exp(torch.rand(4, dim) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
@@ -117,7 +118,7 @@ class SS2D(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(4, dim, 1))
         self.D = nn.Parameter(torch.ones(4, dim))
         self.out_norm = nn.LayerNorm(dim)
-        self.out_proj = nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim, bias=bias)
         self.register_buffer("perm", torch.arange(4), persistent=False)
 
     def set_traversal(self, perm: object) -> None:
@@ -146,18 +147,30 @@ class SS2D(nn.Module):
         return self.out_proj(self.out_norm(y)).transpose(1, 2).view(b, c, H, W)
 
 
+class LayerNorm2d(nn.LayerNorm):
+    """LayerNorm over the channels of each pixel of ``x (B, C, H, W)`` (VMamba's ``ln2d``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # (B, C, H, W)
+
+
+NORMS = ("bn", "gn", "ln2d")
+
+
 def _norm(kind: str, dim: int) -> nn.Module:
     if kind == "bn":
         return nn.BatchNorm2d(dim)
     if kind == "gn":
         return nn.GroupNorm(min(8, dim), dim)
-    raise ValueError(f"TinyVMamba: norm={kind!r}; allowed: bn, gn")
+    if kind == "ln2d":
+        return LayerNorm2d(dim)
+    raise ValueError(f"TinyVMamba: norm={kind!r}; allowed: {', '.join(NORMS)}")
 
 
 class _VSSBlock(nn.Module):
-    def __init__(self, dim: int, d_state: int, norm: str, parallel: bool) -> None:
+    def __init__(self, dim: int, d_state: int, norm: str, parallel: bool, bias: bool = True) -> None:
         super().__init__()
-        self.norm1, self.ss2d = _norm(norm, dim), SS2D(dim, d_state, parallel=parallel)
+        self.norm1, self.ss2d = _norm(norm, dim), SS2D(dim, d_state, parallel=parallel, bias=bias)
         self.norm2 = _norm(norm, dim)
         self.mlp = nn.Sequential(nn.Conv2d(dim, 4 * dim, 1), nn.GELU(), nn.Conv2d(4 * dim, dim, 1))
 
@@ -171,8 +184,9 @@ class TinyVMamba(nn.Module):
     norm -> mean pool -> linear head.
 
     One stage by default (the digits model); lists for ``dim`` and ``depth`` give a hierarchical VMamba, e.g.
-    VMamba-T ``vmamba_tiny_s1l8``: ``dim=[96, 192, 384, 768]``, ``depth=[2, 2, 8, 2]``, ``d_state=1``,
-    ``stem_stride=4``, ``img_size=224``.
+    the official VMamba-T ``vmamba_tiny_s1l8`` (30.2 M parameters): ``dim=[96, 192, 384, 768]``,
+    ``depth=[2, 2, 8, 2]``, ``d_state=1``, ``stem_stride=4``, ``norm="ln2d"``, ``ssm_bias=False``, ``img_size=224``
+    (its released weights load after :func:`convert_official_vmamba`, or ``lowrank convert vmamba``).
 
     Args:
         in_chans: input channels. Default: 1 (grey digits).
@@ -182,13 +196,16 @@ class TinyVMamba(nn.Module):
         d_state: SSM state size N. Default: 4.
         img_size: input side; the first stage's token grid is ``img_size / stem_stride``. Default: 8.
         stem_stride: 1 or 2 (one 3x3 conv; 2 gives 4 x 4 tokens for 8 x 8 digits, L = 16) or 4 (two stride-2
-            3x3 convs with norm and GELU between, VMamba's patch-4 stem). Default: 2.
-        norm: ``bn`` (BatchNorm) or ``gn`` (GroupNorm, batch-size independent). Default: bn.
+            3x3 convs with norm and GELU between and a norm after, VMamba's patch-4 stem). Default: 2.
+        norm: ``bn`` (BatchNorm), ``gn`` (GroupNorm, batch-size independent) or ``ln2d`` (LayerNorm over channels,
+            the official VMamba's). Default: bn.
         parallel_scan: the parallel scan (``mambapy``) instead of the loop. Default: True.
+        ssm_bias: biases on the SS2D projections and depthwise conv (the official VMamba-T has none). Default: True.
     """
 
     def __init__(self, in_chans: int = 1, num_classes: int = 10, dim: int | list[int] = 32, depth: int | list[int] = 2,
-                 d_state: int = 4, img_size: int = 8, stem_stride: int = 2, norm: str = "bn", parallel_scan: bool = True) -> None:
+                 d_state: int = 4, img_size: int = 8, stem_stride: int = 2, norm: str = "bn", parallel_scan: bool = True,
+                 ssm_bias: bool = True) -> None:
         super().__init__()
         dims = [dim] if isinstance(dim, int) else list(dim)
         depths = [depth] * len(dims) if isinstance(depth, int) else list(depth)
@@ -201,14 +218,15 @@ class TinyVMamba(nn.Module):
         if stem_stride == 4:
             self.stem: nn.Module = nn.Sequential(nn.Conv2d(in_chans, dims[0] // 2, 3, stride=2, padding=1),
                                                  _norm(norm, dims[0] // 2), nn.GELU(),
-                                                 nn.Conv2d(dims[0] // 2, dims[0], 3, stride=2, padding=1))
+                                                 nn.Conv2d(dims[0] // 2, dims[0], 3, stride=2, padding=1),
+                                                 _norm(norm, dims[0]))
         else:
             self.stem = nn.Conv2d(in_chans, dims[0], 3, stride=stem_stride, padding=1)
         blocks, downs = [], {}
         for i, (d, n) in enumerate(zip(dims, depths, strict=True)):
             if i:
                 downs[str(len(blocks))] = nn.Sequential(nn.Conv2d(dims[i - 1], d, 3, stride=2, padding=1), _norm(norm, d))
-            blocks += [_VSSBlock(d, d_state, norm, parallel_scan) for _ in range(n)]
+            blocks += [_VSSBlock(d, d_state, norm, parallel_scan, ssm_bias) for _ in range(n)]
         self.blocks = nn.ModuleList(blocks)
         self.downsample = nn.ModuleDict(downs)  # key: the index of the block it precedes
         self.norm = _norm(norm, dims[-1])
@@ -245,3 +263,63 @@ def set_traversal(model: nn.Module, perm: object) -> int:
     for m in modules:
         m.set_traversal(p)
     return len(modules)
+
+
+# ----------------------------------------------------------------------------------------- official weights
+def _official_names(depths: list[int]) -> dict[str, str]:
+    """Official VMamba (``classification/models/vmamba.py``, channel-first ``ln2d`` models with the v2 patch embed and
+    v3 downsampling, as VMamba-T ``vmamba_tiny_s1l8``) parameter name -> this implementation's name."""
+    names = {"patch_embed.0": "stem.0", "patch_embed.2": "stem.1", "patch_embed.5": "stem.3", "patch_embed.7": "stem.4",
+             "classifier.norm": "norm", "classifier.head": "head"}
+    block = 0
+    for i, depth in enumerate(depths):
+        for j in range(depth):
+            src, dst = f"layers.{i}.blocks.{j}", f"blocks.{block}"
+            names.update({f"{src}.norm": f"{dst}.norm1", f"{src}.norm2": f"{dst}.norm2", f"{src}.mlp.fc1": f"{dst}.mlp.0",
+                          f"{src}.mlp.fc2": f"{dst}.mlp.2"})
+            for a, b in (("in_proj", "in_proj"), ("conv2d", "conv2d"), ("out_norm", "out_norm"), ("out_proj", "out_proj"),
+                         ("x_proj_weight", "x_proj"), ("dt_projs_weight", "dt_proj_weight"),
+                         ("dt_projs_bias", "dt_proj_bias"), ("A_logs", "A_log"), ("Ds", "D")):
+                names[f"{src}.op.{a}"] = f"{dst}.ss2d.{b}"
+            block += 1
+        if i < len(depths) - 1:  # official: at the end of stage i; here: before the first block of stage i + 1
+            names[f"layers.{i}.downsample.1"] = f"downsample.{block}.0"
+            names[f"layers.{i}.downsample.3"] = f"downsample.{block}.1"
+    return names
+
+
+def convert_official_vmamba(state: dict[str, torch.Tensor], depths: list[int]) -> dict[str, torch.Tensor]:
+    """An official VMamba state dict (``torch.load(ckpt)["model"]``) renamed and reshaped for :class:`TinyVMamba`.
+
+    ``A_logs (4 d, N)`` and ``Ds (4 d)`` become ``(4, d, N)`` and ``(4, d)`` (the official layout is group-major);
+    ``Linear2d`` weights ``(out, in)`` become 1x1 conv weights where this implementation uses a conv.
+
+    Args:
+        state: the official state dict (a ``{"model": ...}`` checkpoint and a ``module.`` prefix are accepted).
+        depths: blocks per stage, e.g. ``[2, 2, 8, 2]`` for VMamba-T.
+
+    Raises:
+        ValueError: keys that match no official name of that architecture (nothing is dropped silently).
+    """
+    if "model" in state and isinstance(state["model"], dict):
+        state = state["model"]
+    names = _official_names(list(depths))
+    out, unknown = {}, []
+    for key, value in state.items():
+        key = key.removeprefix("module.")
+        owner, _, leaf = key.rpartition(".")
+        if key in names:  # bare parameters (x_proj_weight, A_logs, ...)
+            out[names[key]] = value
+        elif owner in names:
+            out[f"{names[owner]}.{leaf}"] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"convert_official_vmamba: {len(unknown)} keys match no official VMamba name for depths={list(depths)} "
+                         f"(first: {unknown[:3]}); check the depths and that the checkpoint is a channel-first ln2d model")
+    for key in [k for k in out if k.endswith(("ss2d.A_log", "ss2d.D"))]:
+        out[key] = out[key].reshape(4, -1, *out[key].shape[1:])  # (4 d, N) -> (4, d, N); (4 d,) -> (4, d)
+    for key in [k for k in out if k.endswith(("ss2d.in_proj.weight", "mlp.0.weight", "mlp.2.weight"))]:
+        if out[key].ndim == 2:  # Linear2d (out, in) -> 1x1 conv (out, in, 1, 1)
+            out[key] = out[key][:, :, None, None]
+    return out

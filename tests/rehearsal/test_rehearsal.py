@@ -254,15 +254,17 @@ TINY_VMAMBA = ["--model.init_args.model.init_args.dim=[8, 16, 32, 64]", "--model
 
 
 def test_trust_vmamba_tiny_imagenet_c(tmp_path):
+    from lowrank_lit.cli import main
     from lowrank_lit.data.imagenet_c import IMAGENET_C_CORRUPTIONS
-    from lowrank_lit.models.vmamba import TinyVMamba
+    from tests.test_vmamba import _official_shapes
 
     data = fx.imagenet_c(tmp_path / "ImageNet-C", IMAGENET_C_CORRUPTIONS, classes=3, per_class=2)
-    # the source checkpoint: a plain state dict with this implementation's parameter names (the header's format)
-    torch.manual_seed(0)
-    source = TinyVMamba(in_chans=3, num_classes=1000, dim=[8, 16, 32, 64], depth=[1, 1, 2, 1], d_state=1, img_size=32,
-                        stem_stride=4, norm="bn")
-    torch.save(source.state_dict(), tmp_path / "vmamba_t.pth")
+    # the source checkpoint: weights in the official release's layout, converted as the header says
+    g = torch.Generator().manual_seed(0)
+    official = {k: torch.randn(shape, generator=g) * 0.05 for k, shape in _official_shapes([1, 1, 2, 1], [8, 16, 32, 64]).items()}
+    torch.save({"model": official}, tmp_path / "vssm1_tiny.pth")
+    assert main(["convert", "vmamba", "--src", str(tmp_path / "vssm1_tiny.pth"), "--out", str(tmp_path / "vmamba_t.pth"),
+                 "--depths", "1", "1", "2", "1"]) == 0
     paths = {"data.init_args.data_dir": data, "model.init_args.source_ckpt": str(tmp_path / "vmamba_t.pth")}
     run = _rehearse("trust/vmamba_tiny_imagenetc_gpu.yaml", paths, [*CPU, *TINY_VMAMBA], tmp_path / "runs")
     _finite(run, "test/error")
