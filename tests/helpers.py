@@ -19,17 +19,20 @@ MLP_CONFIG = CONFIGS / "baseline" / "mlp_digits.yaml"
 FRAGMENT_DIRS = ("base", "debug")
 
 
-PARSE_ONLY = "# ci: parse-only"
+#: the header line of a config that cannot run as it is (it needs data, a model or a checkpoint):
+#: ``# ci: rehearsal (...tests/rehearsal/test_rehearsal.py::test_x)`` (run end to end with fixtures by that test, under
+#: ``pytest -m rehearsal``) or ``# ci: run by tests/<file>.py (...)`` (run by that test with the checkpoint it makes)
+CI_MARK = "# ci: "
 
 
 def experiment_configs(parse_only: bool = False) -> list[Path]:
     """Experiment configs under configs/ (fragments in base/ and debug/ excluded).
 
-    Configs that need user data or a GPU say ``# ci: parse-only`` in their header: they are
-    parsed by the real CLI but not run (``parse_only=True`` lists those, otherwise the rest).
+    Configs with a :data:`CI_MARK` header line are parsed by the real CLI in the unit run and run end to end
+    by the test they name (``parse_only=True`` lists those, otherwise the rest, which run as they are).
     """
     files = sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] not in FRAGMENT_DIRS)
-    return [p for p in files if (PARSE_ONLY in p.read_text()) == parse_only]
+    return [p for p in files if any(ln.startswith(CI_MARK) for ln in p.read_text().splitlines()) == parse_only]
 
 
 def config_subcommand(config: Path) -> str:

@@ -35,6 +35,31 @@ def test_parse_only_config_parses(config, capsys):
     assert "class_path" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("config", PARSE_ONLY_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_config_that_cannot_run_as_it_is_names_the_test_that_runs_it(config):
+    """``# ci: rehearsal (... <file>::<test>)`` or ``# ci: run by <file> (...)``: the named test exists and runs this file."""
+    import re
+
+    from tests.helpers import CI_MARK, ROOT
+
+    line = next(ln for ln in config.read_text().splitlines() if ln.startswith(CI_MARK))
+    rel = str(config.relative_to(CONFIGS))
+    m = re.search(r"(tests/rehearsal/test_rehearsal\.py)::(\w+)\)$", line) if "rehearsal" in line else \
+        re.match(r"# ci: run by (tests/\S+\.py) \(", line)
+    assert m, f"{rel}: header {line!r}; allowed: '# ci: rehearsal (...tests/rehearsal/test_rehearsal.py::test_x)' or " \
+              "'# ci: run by tests/<file>.py (...)'"
+    source = (ROOT / m.group(1)).read_text()
+    if "rehearsal" in line:
+        body = source.split(f"def {m.group(2)}(", 1)
+        assert len(body) == 2, f"{rel}: no test {m.group(2)} in {m.group(1)}"
+        assert rel in body[1].split("\ndef ", 1)[0] or rel in source.split(f"def {m.group(2)}(", 1)[0][-400:], \
+            f"{rel}: {m.group(2)} does not run it"
+    else:  # by name, or as an f-string prefix plus a quoted variant (f"mlp_digits_{variant}.yaml" with "2bit_sdba")
+        stem = config.stem
+        named = stem in source or any(f"{stem[:i]}{{" in source and f'"{stem[i:]}"' in source for i in range(1, len(stem)))
+        assert named, f"{rel}: {m.group(1)} does not mention {stem}"
+
+
 @pytest.mark.parametrize("fragment", CPU_FRAGMENTS)
 def test_cpu_fragment_composes(fragment, run_root):
     rc = run_cli("fit", "--config", MLP_CONFIG, "--config", CONFIGS / fragment, "--trainer.fast_dev_run=true",

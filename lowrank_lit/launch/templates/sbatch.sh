@@ -10,8 +10,8 @@
 #SBATCH --requeue
 #SBATCH --output={log_dir}/%x-%j.out
 {extra_sbatch}
-# Lightning requeues the job on SIGUSR1 (90 s before the time limit) after saving hpc_ckpt_N.ckpt
-# into the run directory runs/<experiment>/<SLURM_JOB_ID>/; the requeued job resumes from it.
+# On SIGUSR1 (90 s before the time limit) every rank stops at the next batch boundary, checkpoints/last.ckpt is
+# written once and the job is requeued; it re-enters runs/<experiment>/<SLURM_JOB_ID>/ and resumes from it.
 set -euo pipefail
 cd {workdir}
 export PYTHONUNBUFFERED=1   # progress lines reach the log as they are printed (one per epoch: stdout is a file)
