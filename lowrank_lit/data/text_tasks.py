@@ -313,19 +313,24 @@ class TextClassificationDataModule(TensorDataModule):
 
 
 _QA_KEYS = ("input_ids", "attention_mask", "labels", "instance_mask")
+#: the keys of a batch's HyNoIse copy (QADataModule(noisy_copy_rate=...)): the same four, prefixed
+QA_NOISY_KEYS = tuple(f"noisy_{k}" for k in _QA_KEYS)
 
 
 def collate_qa(items: list[tuple[torch.Tensor, ...]]) -> dict[str, torch.Tensor]:
-    """Stack ``(input_ids, attention_mask, labels, instance_mask)`` rows into a dict batch."""
-    return {k: torch.stack([it[j] for it in items]) for j, k in enumerate(_QA_KEYS)}
+    """Stack ``(input_ids, attention_mask, labels, instance_mask[, noisy copies of the four])`` rows into a dict batch."""
+    keys = _QA_KEYS if len(items[0]) == len(_QA_KEYS) else _QA_KEYS + QA_NOISY_KEYS
+    return {k: torch.stack([it[j] for it in items]) for j, k in enumerate(keys)}
 
 
 class QADataModule(TensorDataModule):
-    """A user's question-answering jsonl (``context``, ``question``, ``answer``) for decoder LMs.
+    """A user's question-answering or instruction jsonl for decoder LMs.
 
     Each example is ``"context: {context}\\nquestion: {question}\\nanswer:"`` followed by `` {answer}`` and the
     end-of-sequence token; ``labels`` are -100 everywhere except on the answer tokens, ``instance_mask`` is 1
-    on the input span only (what an instance-aware prompt may read). Batches are dicts.
+    on the input span only (what an instance-aware prompt may read). Batches are dicts. Alpaca-style files
+    (``instruction``, ``input``, ``output``) read with ``question_field: instruction``, ``context_field: input``,
+    ``answer_field: output``.
 
     Args:
         train_path: training jsonl. val_path: validation jsonl. Default: None.
@@ -333,28 +338,47 @@ class QADataModule(TensorDataModule):
         max_length: tokens per example (the input is truncated from the left). Default: 512 (paper, QA).
         batch_size: samples per batch. Default: 32 (paper, QA).
         num_workers: DataLoader workers. Default: 0.
+        test_path: test jsonl (the test loop). Default: None.
+        question_field / context_field / answer_field: the record's field names. Defaults: question, context, answer
+            (the context may be missing or empty).
+        noisy_copy_rate: also serve a HyNoIse copy of every example, its context and question corrupted by
+            :func:`corrupt_text` at this rate (the answer unchanged): batches then carry the ``noisy_*`` keys. None: no
+            copy. Default: None.
+        split_seed: seed of the noisy copies. Default: 0.
     """
 
     def __init__(self, train_path: str, val_path: str | None = None, tokenizer: str = "meta-llama/Llama-3.2-1B-Instruct",
-                 max_length: int = 512, batch_size: int = 32, num_workers: int = 0) -> None:
+                 max_length: int = 512, batch_size: int = 32, num_workers: int = 0, test_path: str | None = None,
+                 question_field: str = "question", context_field: str = "context", answer_field: str = "answer",
+                 noisy_copy_rate: float | None = None, split_seed: int = 0) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers)
-        self.paths = {"train": train_path, "val": val_path}
+        if noisy_copy_rate is not None and not 0.0 < noisy_copy_rate <= 1.0:
+            raise ValueError(f"QADataModule: noisy_copy_rate={noisy_copy_rate}; allowed: a float in (0, 1] or null")
+        self.paths = {"train": train_path, "val": val_path, "test": test_path}
         self.tokenizer_name, self.max_length = tokenizer, max_length
+        self.fields = {"question": question_field, "context": context_field, "answer": answer_field}
+        self.noisy_copy_rate, self.split_seed = noisy_copy_rate, split_seed
 
     collate_fn = staticmethod(collate_qa)
 
     @staticmethod
-    def encode(tokenizer: Any, records: list[dict[str, Any]], max_length: int) -> tuple[torch.Tensor, ...]:
-        """``(input_ids, attention_mask, labels, instance_mask)``, each ``(n, max_length)``, right-padded."""
+    def encode(tokenizer: Any, records: list[dict[str, Any]], max_length: int,
+               fields: dict[str, str] | None = None) -> tuple[torch.Tensor, ...]:
+        """``(input_ids, attention_mask, labels, instance_mask)``, each ``(n, max_length)``, right-padded.
+
+        ``fields`` maps ``question``, ``context``, ``answer`` to the records' field names (default: the same names).
+        """
+        f = {"question": "question", "context": "context", "answer": "answer", **(fields or {})}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         rows = []
         for i, r in enumerate(records):
             for key in ("question", "answer"):
-                if key not in r:
-                    raise ValueError(f"QADataModule: record {i} has no field {key!r} (fields: context, question, answer)")
-            prompt = f"context: {r.get('context', '')}\nquestion: {r['question']}\nanswer:"
+                if f[key] not in r:
+                    raise ValueError(f"QADataModule: record {i} has no field {f[key]!r} (fields: {', '.join(sorted(r))}; "
+                                     f"set {key}_field)")
+            prompt = f"context: {r.get(f['context']) or ''}\nquestion: {r[f['question']]}\nanswer:"
             p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-            a_ids = tokenizer(" " + str(r["answer"]), add_special_tokens=False)["input_ids"]
+            a_ids = tokenizer(" " + str(r[f["answer"]]), add_special_tokens=False)["input_ids"]
             if tokenizer.eos_token_id is not None:
                 a_ids = a_ids + [tokenizer.eos_token_id]
             a_ids = a_ids[: max_length - 1]
@@ -372,8 +396,29 @@ class QADataModule(TensorDataModule):
             instance[i, : len(p)] = 1
         return ids, mask, labels, instance
 
+    def noisy_copies(self, records: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+        """HyNoIse copies of a split's records: context and question corrupted, the answer kept (deterministic)."""
+        rng = random.Random(f"{self.split_seed}-{split}-copy")
+        out = []
+        for r in records:
+            copy = dict(r)
+            for key in ("context", "question"):
+                if r.get(self.fields[key]):
+                    copy[self.fields[key]] = corrupt_text(str(r[self.fields[key]]), self.noisy_copy_rate, rng)
+            out.append(copy)
+        return out
+
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
         from lowrank_lit.hub import load_tokenizer
 
         tokenizer = load_tokenizer(self.tokenizer_name)
-        return {k: (self.encode(tokenizer, _read_records(p), self.max_length) if p else None) for k, p in self.paths.items()}
+        out: dict[str, Sequence[torch.Tensor] | None] = {}
+        for name, path in self.paths.items():
+            if not path:
+                out[name] = None
+                continue
+            records = _read_records(path)
+            out[name] = self.encode(tokenizer, records, self.max_length, self.fields)
+            if self.noisy_copy_rate is not None:
+                out[name] = (*out[name], *self.encode(tokenizer, self.noisy_copies(records, name), self.max_length, self.fields))
+        return out

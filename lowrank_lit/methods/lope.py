@@ -83,7 +83,8 @@ def poison_share(pl_module: Any, input_ids: torch.Tensor, mask: torch.Tensor) ->
     for m in layers:
         m.set_mode("route")
     try:
-        pl_module(input_ids, mask)
+        lm = getattr(pl_module, "lm", None)  # PromptTunedLM: its prompted backbone takes (ids, mask)
+        (lm if isinstance(lm, torch.nn.Module) else pl_module)(input_ids, mask)
         per_layer = []
         for m in layers:
             w = m.last_weights[:, -mask.shape[1]:]  # (b, s, N): real positions
@@ -97,6 +98,10 @@ def poison_share(pl_module: Any, input_ids: torch.Tensor, mask: torch.Tensor) ->
 @register_method("lope", kind="Callback", paper=PAPER, summary="summary")
 class LoPEStageCallback(Callback):
     """LoPE's two training stages and inference masking for every :class:`AsymmetricLoRALinear` with a poison expert.
+
+    Works on :class:`~lowrank_lit.models.text.PromptTunedClassifier` (templated text) and
+    :class:`~lowrank_lit.models.text.PromptTunedLM` (a causal LM on QADataModule, e.g. Alpaca-style files with
+    ``noisy_copy_rate``; ``configs/lope/llama_gpu.yaml``).
 
     The stage follows ``trainer.global_step`` (stage I before ``stage1_steps``, stage II after), re-applied at
     every training batch, so a resumed run continues in the right stage. In the test loop it logs the per-expert
@@ -170,9 +175,14 @@ class LoPEStageCallback(Callback):
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
-        inputs = {"clean": (batch[0], batch[1])}
-        if len(batch) >= 6:
-            inputs["noisy"] = (batch[4], batch[5])
+        if isinstance(batch, dict):  # QADataModule batches (PromptTunedLM)
+            inputs = {"clean": (batch["input_ids"], batch["attention_mask"])}
+            if "noisy_input_ids" in batch:
+                inputs["noisy"] = (batch["noisy_input_ids"], batch["noisy_attention_mask"])
+        else:  # TemplatedTextDataModule tuples (PromptTunedClassifier)
+            inputs = {"clean": (batch[0], batch[1])}
+            if len(batch) >= 6:
+                inputs["noisy"] = (batch[4], batch[5])
         for kind, (ids, mask) in inputs.items():
             tokens = mask.sum().float()
             self._mass[kind].append((poison_share(pl_module, ids, mask) * tokens, tokens))

@@ -594,20 +594,39 @@ class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
         warmup_steps: linear warm-up steps, then constant (PT-MoE paper: 500). Default: 500.
         strict_frozen: refuse a backbone with trainable parameters. Default: True.
         tokenizer: tokenizer name for a text-initialised prompt; None uses ``backbone``. Default: None.
+        adapter: ``nn.Linear -> adapter`` factory (e.g. ``lowrank_lit.nn.lora.AsymmetricLoRALinear`` with its
+            ``init_args``) put on every layer ``adapter_targets`` matches. Default: None.
+        adapter_targets: module-name patterns of the adapted layers. Default: the attention's ``q_proj`` and
+            ``v_proj`` (Llama, Qwen2, Mistral names).
+        lr_adapter: AdamW learning rate of the adapter parameters. Default: 2e-4 (LoPE paper).
     """
+
+    #: ``f(embeds, mask) -> embeds`` applied to the word embeddings in training (set by e.g. LoPE's stage callback).
+    embed_noise: Any = None
+    #: train on the batch's HyNoIse copies too (the ``noisy_*`` keys of QADataModule(noisy_copy_rate=...); LoPE stage I).
+    train_on_noisy_copies: bool = False
 
     def __init__(self, backbone: str = "meta-llama/Llama-3.2-1B-Instruct", backbone_config: dict[str, Any] | None = None,
                  num_layers: int | None = None, prompt: PromptModule | None = None, lr: float = 2e-5,
-                 warmup_steps: int = 500, strict_frozen: bool = True, tokenizer: str | None = None) -> None:
+                 warmup_steps: int = 500, strict_frozen: bool = True, tokenizer: str | None = None,
+                 adapter: Callable[[nn.Linear], nn.Module] | None = None, adapter_targets: list[str] | None = None,
+                 lr_adapter: float = 2e-4) -> None:
         super().__init__()
-        if not lr > 0:
-            raise ValueError(f"PromptTunedLM: lr={lr}; allowed: a float > 0")
+        for arg, value in (("lr", lr), ("lr_adapter", lr_adapter)):
+            if not value > 0:
+                raise ValueError(f"PromptTunedLM: {arg}={value}; allowed: a float > 0")
         if warmup_steps < 0:
             raise ValueError(f"PromptTunedLM: warmup_steps={warmup_steps}; allowed: an integer >= 0")
         self.save_hyperparameters(ignore=["prompt"], logger=False)
         model, self.pretrained = load_backbone(backbone, num_layers, causal=True, config=backbone_config)
         disable_dropout(model)
         model.train()
+        if adapter is not None:
+            from lowrank_lit.nn.lora import inject_adapters
+
+            targets = adapter_targets or ["*.self_attn.q_proj", "*.self_attn.v_proj"]
+            self.adapted = inject_adapters(model, targets, adapter, owner="PromptTunedLM: adapter_targets")
+        self.lr_adapter = lr_adapter
         self.lm = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
         self._frozen_owner = "lm"
         self.lm.init_prompt_from_text(tokenizer or backbone)
@@ -627,28 +646,52 @@ class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
         return instance
 
     def forward(self, batch: dict[str, torch.Tensor]) -> PromptedOutput:
+        noise = self.embed_noise if self.training else None
         return self.lm(batch["input_ids"], batch["attention_mask"], instance_mask=self._instance_mask(batch),
-                       labels=batch.get("labels"))
+                       labels=batch.get("labels"), embed_noise=noise)
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """Every adapter parameter (``lora_*``), trainable now or not (stage schedules switch them)."""
+        return [p for n, p in self.lm.backbone.named_parameters() if "lora_" in n]
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.train_on_noisy_copies:
+            from lowrank_lit.data.text_tasks import QA_NOISY_KEYS
+
+            if not all(k in batch for k in QA_NOISY_KEYS):
+                raise ValueError("PromptTunedLM: train_on_noisy_copies needs batches with noisy copies "
+                                 "(QADataModule(noisy_copy_rate=...))")
+            batch = {k: torch.cat([batch[k], batch[f"noisy_{k}"]]) for k in ("input_ids", "attention_mask", "labels",
+                                                                             "instance_mask")}
         out = self(batch)
         self.log("train/loss", out.loss, on_step=True, on_epoch=True, prog_bar=True)
         return out.loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> None:
         out = self(batch)
         labels = batch["labels"][:, 1:]
         pred = out.logits[:, :-1].argmax(-1)
         keep = labels != -100
         acc = (pred[keep] == labels[keep]).float().mean() if bool(keep.any()) else out.loss.new_zeros(())
-        self.log("val/loss", out.loss, on_epoch=True, sync_dist=True, prog_bar=True)
-        self.log("val/token_acc", acc, on_epoch=True, sync_dist=True)
+        self.log(f"{stage}/loss", out.loss, on_epoch=True, sync_dist=True, prog_bar=stage == "val")
+        self.log(f"{stage}/token_acc", acc, on_epoch=True, sync_dist=True)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
 
     def configure_optimizers(self) -> Any:
-        params = [] if self.prompt is None else [p for p in self.prompt.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("PromptTunedLM: nothing to train (prompt is None or frozen); use `lowrank validate` to evaluate")
-        optimizer = torch.optim.AdamW(params, lr=self.lr)
+        groups = []
+        prompt = [] if self.prompt is None else [p for p in self.prompt.parameters() if p.requires_grad]
+        if prompt:
+            groups.append({"params": prompt, "lr": self.lr})
+        if self.adapter_parameters():  # all of them from the start: a stage switch needs no new optimizer
+            groups.append({"params": self.adapter_parameters(), "lr": self.lr_adapter})
+        if not groups:
+            raise ValueError("PromptTunedLM: nothing to train (no prompt and no adapter); use `lowrank validate` to evaluate")
+        optimizer = torch.optim.AdamW(groups, lr=self.lr)
         scheduler = linear_warmup(optimizer, self.warmup_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -223,3 +223,56 @@ def test_must_show_lope(tmp_path):
         assert r["test/poison_share_noisy"] > r["test/poison_share_clean"]
     acc = {k: [r["test/acc"] for r in v] for k, v in res.items()}
     assert statistics.fmean(acc["lope"]) >= statistics.fmean(acc["hydralora"]) - statistics.stdev(acc["hydralora"])
+
+
+# ----------------------------------------------------------------------------------------- LoPE on a causal LM
+def _alpaca(tmp_path, n=12):
+    from tests.rehearsal import fixtures as fx
+
+    records = [{"instruction": r["question"], "input": r["context"], "output": r["answer"]} for r in fx.qa_records(n, 0)]
+    return fx.write_jsonl(tmp_path / "alpaca.jsonl", records), fx.tiny_llama(tmp_path / "llama")
+
+
+def test_qa_datamodule_reads_alpaca_fields_and_serves_hynoise_copies(tmp_path):
+    from lowrank_lit.data.text_tasks import QA_NOISY_KEYS, QADataModule
+
+    path, llama = _alpaca(tmp_path)
+    dm = QADataModule(path, tokenizer=llama, question_field="instruction", context_field="input", answer_field="output",
+                      noisy_copy_rate=0.3, max_length=64, batch_size=12)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert set(QA_NOISY_KEYS) <= set(batch)
+    assert not torch.equal(batch["input_ids"], batch["noisy_input_ids"])  # the context and question are corrupted ...
+    answers = [ids[lab != -100].tolist() for ids, lab in zip(batch["input_ids"], batch["labels"], strict=True)]
+    noisy = [ids[lab != -100].tolist() for ids, lab in zip(batch["noisy_input_ids"], batch["noisy_labels"], strict=True)]
+    assert answers == noisy  # ... the answer is not
+    with pytest.raises(ValueError, match="no field 'question'.*set question_field"):
+        QADataModule(path, tokenizer=llama, max_length=64).setup("fit")
+
+
+def test_stage_one_on_a_causal_lm_trains_A_and_B_D_on_clean_plus_noisy_copies(tmp_path):
+    from functools import partial
+
+    from lowrank_lit.data.text_tasks import QADataModule
+    from lowrank_lit.models.text import PromptTunedLM
+
+    path, llama = _alpaca(tmp_path)
+    dm = QADataModule(path, tokenizer=llama, question_field="instruction", context_field="input", answer_field="output",
+                      noisy_copy_rate=0.3, max_length=64, batch_size=4)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    model = PromptTunedLM(llama, adapter=partial(AsymmetricLoRALinear, r=4, n_experts=3, n_poison=1, router_in="lowrank"))
+    cb = LoPEStageCallback(stage1_steps=2)
+    cb.apply_stage(model, 1)
+    seen = []
+    model.embed_noise = lambda e, m: (seen.append(e.shape[0]), cb.noise(e, m))[1]
+    model.train()
+    model.training_step(batch, 0).backward()
+    assert seen == [8]  # 4 clean + 4 noisy rows, embedding noise on
+    layer = next(m for m in model.modules() if isinstance(m, AsymmetricLoRALinear))
+    d = layer.poison_index[0]
+    assert layer.lora_A.grad is not None and layer.lora_B[d].grad is not None
+    assert all(b.grad is None for i, b in enumerate(layer.lora_B) if i != d) and layer.lora_router.weight.grad is None
+    opt = model.configure_optimizers()["optimizer"]
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert {id(p) for p in model.adapter_parameters()} <= held  # every adapter parameter from the start

@@ -18,6 +18,7 @@ def _count(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize(("name", "published"), [
     ("Llama-3.2-1B", 1_235_814_400),   # pt_moe/llama_1b_gpu.yaml
+    ("Llama-2-7b-hf", 6_738_415_616),  # lope/llama_gpu.yaml
     ("Qwen2.5-0.5B", 494_032_768),     # skrull/sft_jsonl_gpu.yaml
     ("gpt-neo-2.7B", 2_651_307_520),   # icl_rank_retriever/gptneo_score_gpu.yaml
 ])

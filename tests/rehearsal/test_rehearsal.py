@@ -301,3 +301,25 @@ def test_gaze_3dpe_real_ddp(tmp_path):
     run = _rehearse("gaze_3dpe/real_gpu.yaml", paths, extra, tmp_path / "runs", processes=2)
     _finite(run, "test/angle_deg", "test/mpiifacegaze/angle_deg", "test/eyediap/angle_deg")
     fx.ranks_agree(run)
+
+
+# ----------------------------------------------------------------------------------------- LoPE
+def test_lope_llama(tmp_path):
+    model = fx.tiny_llama(tmp_path / "Llama-2-7b-hf")
+    alpaca = [{"instruction": r["question"], "input": r["context"], "output": r["answer"]} for r in fx.qa_records(64, 0)]
+    paths = {"model.init_args.backbone": model, "data.init_args.tokenizer": model,
+             "data.init_args.train_path": fx.write_jsonl(tmp_path / "train.jsonl", alpaca[:40]),
+             "data.init_args.val_path": fx.write_jsonl(tmp_path / "dev.jsonl", alpaca[40:52]),
+             "data.init_args.test_path": fx.write_jsonl(tmp_path / "test.jsonl", alpaca[52:])}
+    # 4 steps: stage I (A and B_D, noisy copies, embedding noise) for 2, then stage II
+    extra = [*CPU, "--trainer.max_epochs=-1", "--trainer.max_steps=4", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+             "--trainer.limit_test_batches=1", "--trainer.log_every_n_steps=1", "--trainer.callbacks.init_args.stage1_steps=2",
+             "--data.init_args.batch_size=8", "--data.init_args.max_length=64"]
+    run = _rehearse("lope/llama_gpu.yaml", paths, extra, tmp_path / "runs")
+    metrics = _finite(run, "train/loss_step", "val/loss", "test/loss", "test/poison_share_clean", "test/poison_share_noisy")
+    assert 0.0 <= metrics["test/poison_share_clean"] <= 1.0
+    state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    trained = [k for k in state if ".lora_" in k]
+    assert trained and all(".lora_" in k or not k.startswith("lm.") for k in state)  # adapters only: the Llama is re-read
+    _reload("lope/llama_gpu.yaml", run, paths, [*CPU, "--trainer.limit_test_batches=1", "--data.init_args.max_length=64"],
+            tmp_path / "re")
