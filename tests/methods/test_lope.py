@@ -226,21 +226,23 @@ def test_must_show_lope(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- LoPE on a causal LM
-def _alpaca(tmp_path, n=12):
+def _alpaca(tmp_path, batch_size, n=12):
+    """A tiny Llama folder, an Alpaca-style jsonl and the first training batch of it (with HyNoIse copies)."""
+    from lowrank_lit.data.text_tasks import QADataModule
     from tests.rehearsal import fixtures as fx
 
     records = [{"instruction": r["question"], "input": r["context"], "output": r["answer"]} for r in fx.qa_records(n, 0)]
-    return fx.write_jsonl(tmp_path / "alpaca.jsonl", records), fx.tiny_llama(tmp_path / "llama")
+    path, llama = fx.write_jsonl(tmp_path / "alpaca.jsonl", records), fx.tiny_llama(tmp_path / "llama")
+    dm = QADataModule(path, tokenizer=llama, question_field="instruction", context_field="input", answer_field="output",
+                      noisy_copy_rate=0.3, max_length=64, batch_size=batch_size)
+    dm.setup("fit")
+    return path, llama, next(iter(dm.train_dataloader()))
 
 
 def test_qa_datamodule_reads_alpaca_fields_and_serves_hynoise_copies(tmp_path):
     from lowrank_lit.data.text_tasks import QA_NOISY_KEYS, QADataModule
 
-    path, llama = _alpaca(tmp_path)
-    dm = QADataModule(path, tokenizer=llama, question_field="instruction", context_field="input", answer_field="output",
-                      noisy_copy_rate=0.3, max_length=64, batch_size=12)
-    dm.setup("fit")
-    batch = next(iter(dm.train_dataloader()))
+    path, llama, batch = _alpaca(tmp_path, 12)
     assert set(QA_NOISY_KEYS) <= set(batch)
     assert not torch.equal(batch["input_ids"], batch["noisy_input_ids"])  # the context and question are corrupted ...
     answers = [ids[lab != -100].tolist() for ids, lab in zip(batch["input_ids"], batch["labels"], strict=True)]
@@ -253,14 +255,9 @@ def test_qa_datamodule_reads_alpaca_fields_and_serves_hynoise_copies(tmp_path):
 def test_stage_one_on_a_causal_lm_trains_A_and_B_D_on_clean_plus_noisy_copies(tmp_path):
     from functools import partial
 
-    from lowrank_lit.data.text_tasks import QADataModule
     from lowrank_lit.models.text import PromptTunedLM
 
-    path, llama = _alpaca(tmp_path)
-    dm = QADataModule(path, tokenizer=llama, question_field="instruction", context_field="input", answer_field="output",
-                      noisy_copy_rate=0.3, max_length=64, batch_size=4)
-    dm.setup("fit")
-    batch = next(iter(dm.train_dataloader()))
+    _, llama, batch = _alpaca(tmp_path, 4)
     model = PromptTunedLM(llama, adapter=partial(AsymmetricLoRALinear, r=4, n_experts=3, n_poison=1, router_in="lowrank"))
     cb = LoPEStageCallback(stage1_steps=2)
     cb.apply_stage(model, 1)
