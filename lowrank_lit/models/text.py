@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lowrank_lit.hub import MINILM, load_tokenizer, quiet_transformers, resolve_model_path
+from lowrank_lit.hub import MINILM, from_pretrained, load_tokenizer, quiet_transformers, resolve_model_path
 from lowrank_lit.metrics import purity
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
 from lowrank_lit.optim import linear_warmup
@@ -91,7 +91,7 @@ def load_backbone(name: str = MINILM, num_layers: int | None = None, causal: boo
         model = auto.from_config(AutoConfig.for_model(model_type, **cfg), attn_implementation="eager")
     else:
         try:
-            model = auto.from_pretrained(resolve_model_path(name), attn_implementation="eager")
+            model = from_pretrained(auto, resolve_model_path(name), attn_implementation="eager")
         except (ImportError, OSError) as exc:
             if not allow_random_init:
                 raise type(exc)(f"{exc}\n(backbone {name!r} could not be loaded offline; allow_random_init=true runs a "
@@ -641,7 +641,8 @@ class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
         if instance is None and self.prompt is not None and self.prompt.instance_aware:
             raise ValueError("PromptTunedLM: an instance-aware prompt needs batch['instance_mask'] (the input span "
                              "without answer tokens); otherwise the answer leaks into the prompt under teacher forcing")
-        if instance is not None and "labels" in batch and bool(((batch["labels"] != -100) & (instance > 0)).any()):
+        if instance is not None and "labels" in batch and not instance.is_meta and \
+                bool(((batch["labels"] != -100) & (instance > 0)).any()):  # (no values to check on the meta device)
             raise ValueError("PromptTunedLM: instance_mask covers answer (target) tokens; it must cover the input span only")
         return instance
 

@@ -61,7 +61,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         raise ValueError(f"masked_mean: mask shape {tuple(mask.shape)} does not match the input's (b, s) = {tuple(x.shape[:2])}")
     m = mask.to(torch.float32).unsqueeze(-1)  # (b, s, 1)
     count = m.sum(dim=1)  # (b, 1)
-    if bool((count == 0).any()):
+    if not count.is_meta and bool((count == 0).any()):  # (no values to check on the meta device)
         rows = (count.squeeze(-1) == 0).nonzero().flatten().tolist()
         raise ValueError(f"masked_mean: rows {rows} have no unmasked token (all padding); the mean over 0 tokens is undefined")
     return ((x.to(torch.float32) * m).sum(dim=1) / count).to(x.dtype)

@@ -332,3 +332,12 @@ def gaze_folder(root: Path, splits: dict[str, int], size: int = 48) -> dict[str,
                 w.writerow([f"{split}/{i:04d}.png", f"{rng.uniform(-0.4, 0.4):.4f}", f"{rng.uniform(-0.6, 0.6):.4f}", i % 2])
         out[split] = str(root / f"{split}.csv")
     return out
+
+
+def architecture_folder(path: Path, config_json: Path, tokenizer: Any) -> str:
+    """A model folder with a full-size ``config.json`` (the public values) and a tokenizer, no weights: what
+    ``lowrank estimate`` reads to build the model at full size on the meta device."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(config_json.read_text())
+    tokenizer.save_pretrained(path)
+    return str(path)

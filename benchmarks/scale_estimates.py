@@ -1,0 +1,77 @@
+"""Memory per GPU of the full-size training configs, from ``lowrank estimate`` (meta device, no weights read).
+
+Hub models are built from ``config.json`` files with the public architecture values
+(``tests/rehearsal/hub_configs/``) next to a small tokenizer; data are the rehearsal's fixtures in the real format
+(their shapes are what matters: QADataModule pads every example to ``max_length``).
+
+    python benchmarks/scale_estimates.py            # prints the markdown table of docs/scale.md
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lowrank_lit.launch.estimate import GiB, estimate, format_bytes  # noqa: E402
+from tests.rehearsal import fixtures as fx  # noqa: E402
+
+HUB = ROOT / "tests" / "rehearsal" / "hub_configs"
+
+
+def _rows(tmp: Path) -> list[tuple[str, list[str]]]:
+    tok = fx.bpe_tokenizer("PreTrainedTokenizerFast", {"bos_token": "<s>", "eos_token": "</s>"})
+    llama1b = fx.architecture_folder(tmp / "Llama-3.2-1B-Instruct", HUB / "Llama-3.2-1B.json", tok)
+    llama7b = fx.architecture_folder(tmp / "Llama-2-7b-hf", HUB / "Llama-2-7b-hf.json", tok)
+    qa = fx.write_jsonl(tmp / "qa.jsonl", fx.qa_records(64))
+    alpaca = fx.write_jsonl(tmp / "alpaca.jsonl", [{"instruction": r["question"], "input": r["context"], "output": r["answer"]}
+                                                   for r in fx.qa_records(64)])
+    text = fx.text_folder(tmp / "text", n_files=2, lines=2000)
+    return [
+        ("pt_moe/llama_1b_gpu", [f"--model.init_args.backbone={llama1b}", f"--data.init_args.tokenizer={llama1b}",
+                                 f"--data.init_args.train_path={qa}", f"--data.init_args.val_path={qa}"]),
+        ("lope/llama_gpu", [f"--model.init_args.backbone={llama7b}", f"--data.init_args.tokenizer={llama7b}",
+                            f"--data.init_args.train_path={alpaca}", f"--data.init_args.val_path={alpaca}",
+                            f"--data.init_args.test_path={alpaca}"]),
+        ("pt_moe/llama_1b_gpu", [f"--model.init_args.backbone={llama1b}", f"--data.init_args.tokenizer={llama1b}",
+                                 f"--data.init_args.train_path={qa}", f"--data.init_args.val_path={qa}",
+                                 "--data.init_args.batch_size=16", "--trainer.accumulate_grad_batches=4"]),
+        ("lope/llama_gpu", [f"--model.init_args.backbone={llama7b}", f"--data.init_args.tokenizer={llama7b}",
+                            f"--data.init_args.train_path={alpaca}", f"--data.init_args.val_path={alpaca}",
+                            f"--data.init_args.test_path={alpaca}", "--data.init_args.batch_size=1",
+                            "--trainer.accumulate_grad_batches=32"]),
+        ("is_lowrank/llama_gpu", [f"--data.init_args.root={text}", "--data.init_args.num_workers=0"]),
+        ("nanoadam/llama_gpu", ["--model.init_args.init_from=null", f"--data.init_args.root={text}",
+                                "--data.init_args.num_workers=0"]),
+    ]
+
+
+def main() -> None:
+    print("| config | per-GPU batch x accumulation | parameters | trainable | weights | gradients | optimizer | "
+          "activations (upper bound) | total per GPU | fits 80 GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in _rows(Path(tmp)):
+            config = ROOT / "configs" / f"{name}.yaml"
+            e = estimate(["--config", str(config), *extra])
+            batch = next((a.split("=")[1] for a in extra if "batch_size=" in a), None) or _config_value(config, "batch_size")
+            accumulate = next((a.split("=")[1] for a in extra if "accumulate_grad_batches=" in a), None) or \
+                _config_value(config, "accumulate_grad_batches") or "1"
+            act = "-" if e.activations is None else format_bytes(e.activations)
+            print(f"| `{name}` | {batch} x {accumulate} | {e.parameters:,} | {e.trainable:,} | {format_bytes(e.weights)} | "
+                  f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {act} | {format_bytes(e.total)} | "
+                  f"{'yes' if e.total <= 80 * GiB else 'no'} |")
+
+
+def _config_value(config: Path, key: str) -> str | None:
+    import re
+
+    m = re.search(rf"^\s+{key}:\s*(\d+)", config.read_text(), re.M)
+    return m.group(1) if m else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""``lowrank estimate``: what a config needs per GPU at full size, computed on the ``meta`` device.
+
+The config's model is built at full size on the meta device (no memory; hub models from their folder's
+``config.json``, no weights read: :func:`lowrank_lit.hub.architecture_only`). Then, per GPU:
+
+* weights: every parameter and buffer at its dtype (``bf16-true``/``16-true`` precision: 2 bytes);
+* gradients: the parameters the module's optimizer holds;
+* optimizer state: the module's own optimizer says its size (``steady_state_bytes()``, e.g. LowRankAdam's projected
+  moments) or takes one step on meta gradients and its state tensors are summed (NanoAdam's sparse moments count
+  as they are);
+* DDP gradient buckets: one more gradient-sized buffer under a DDP strategy;
+* activations: the tensors autograd saves for backward in one ``training_step`` on the first training batch
+  of the config's data (its per-device batch size), run on the meta device. Autocast does not reach the meta
+  device, so under ``*-mixed`` precision they are counted at fp32: an upper bound (bf16 keeps most at half). Attention
+  is counted as the math path keeps it (scores and probabilities); fused kernels (flash / memory-efficient SDPA on a
+  GPU) keep less, so this line is an upper bound there too.
+  Without the data (paths that do not exist) they are left out and the line says so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["MemoryEstimate", "SavedTensors", "estimate", "main", "format_bytes"]
+
+GiB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU of one config (see the module docstring for each line)."""
+
+    parameters: int
+    trainable: int
+    weights: int
+    gradients: int
+    optimizer: int
+    ddp_buckets: int
+    activations: int | None
+    devices: int
+    strategy: str
+    precision: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.ddp_buckets + (self.activations or 0)
+
+    def sharded_total(self, world: int) -> int:
+        """The same under FSDP across ``world`` GPUs: weights, gradients and optimizer state sharded."""
+        return (self.weights + self.gradients + self.optimizer) // world + (self.activations or 0)
+
+    def report(self, gpu_gib: float = 80.0) -> str:
+        rows = [("parameters", f"{self.parameters:,}"), ("trainable", f"{self.trainable:,}"),
+                ("weights", _gib(self.weights)), ("gradients", _gib(self.gradients)),
+                ("optimizer state", _gib(self.optimizer))]
+        if self.ddp_buckets:
+            rows.append(("DDP gradient buckets", _gib(self.ddp_buckets)))
+        rows.append(("activations", "not measured" if self.activations is None else _gib(self.activations)))
+        rows.append(("total per GPU", _gib(self.total)))
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+        fits = self.total <= gpu_gib * GiB
+        lines.append(f"{self.strategy}, {self.devices} device(s), {self.precision}: "
+                     + (f"fits in {gpu_gib:g} GiB" if fits else f"does NOT fit in {gpu_gib:g} GiB"))
+        if not fits:
+            for world in sorted({max(self.devices, 2), 8}):
+                lines.append(f"  FSDP over {world} GPUs (strategy: fsdp): {_gib(self.sharded_total(world))} per GPU")
+            lines.append("  activation checkpointing lowers the activations line (keeps about one layer's worth per layer)")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+class SavedTensors:
+    """A ``saved_tensors_hooks`` pack hook that counts the bytes autograd keeps for backward (each tensor once,
+    parameters excluded: they are the weights). It holds the tensors it saw, so no id is reused while counting."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, torch.Tensor] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            self._seen[id(t)] = t
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return _nbytes(self._seen.values())
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 1024**2:.1f} MiB"
+
+
+_gib = format_bytes
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def _instantiate(cfg: Any) -> tuple[pl.LightningModule, pl.LightningDataModule | None]:
+    """The config's model (meta device, architecture only) and data module (on the CPU, not set up)."""
+    from jsonargparse import ArgumentParser
+
+    from lowrank_lit.hub import architecture_only
+
+    def build(key: str, base: type, value: Any) -> Any:
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_subclass_arguments(base, key, fail_untyped=False, required=True)
+        return parser.instantiate_classes(parser.parse_object({key: value}))[key]
+
+    with torch.device("meta"), architecture_only():
+        model = build("model", pl.LightningModule, cfg.model)
+    data = build("data", pl.LightningDataModule, cfg.data) if cfg.get("data") else None
+    return model, data
+
+
+def _optimizers(model: pl.LightningModule, trainer_cfg: Any) -> list[torch.optim.Optimizer]:
+    """The module's own optimizers; a schedule that asks for the run's length gets ``max_steps`` (else 1000)."""
+    from types import SimpleNamespace
+
+    steps = trainer_cfg.get("max_steps") or -1
+    model._trainer = SimpleNamespace(estimated_stepping_batches=steps if steps > 0 else 1000, max_steps=steps,
+                                     world_size=1, global_rank=0, is_global_zero=True)  # type: ignore[assignment]
+    try:
+        out = model.configure_optimizers()
+    finally:
+        model._trainer = None
+    if isinstance(out, dict):
+        out = out["optimizer"]
+    if isinstance(out, (tuple, list)):
+        first = out[0]
+        out = first if isinstance(first, (tuple, list)) else [o["optimizer"] if isinstance(o, dict) else o for o in out]
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+
+
+def _optimizer_state(optimizers: list[torch.optim.Optimizer], notes: list[str]) -> tuple[int, int, list[torch.nn.Parameter]]:
+    """(trainable numel, optimizer-state bytes, the parameters the optimizers hold).
+
+    An optimizer that says its size (``steady_state_bytes()``) is asked; any other takes one step on meta gradients and
+    its state is summed; one whose step reads values (not possible on the meta device) is counted as Adam-like.
+    """
+    params = list({id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}.values())
+    total = 0
+    for o in optimizers:
+        if hasattr(o, "steady_state_bytes"):
+            total += o.steady_state_bytes()
+            continue
+        held = [p for g in o.param_groups for p in g["params"]]
+        for p in held:
+            p.grad = torch.zeros_like(p)
+        try:
+            with torch.no_grad():
+                o.step()
+            total += _nbytes(v for st in o.state.values() for v in st.values())
+        except (RuntimeError, NotImplementedError):
+            total += sum(2 * p.numel() * p.element_size() for p in held)
+            notes.append(f"{type(o).__name__}'s step cannot run on the meta device: its state is counted as Adam's (two moments)")
+    return sum(p.numel() for p in params), total, params
+
+
+def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None) -> tuple[int | None, str | None]:
+    """Bytes autograd saves in one training step on the first training batch (meta device)."""
+    if data is None:
+        return None, "no data module: activations not measured"
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    try:
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+    except (FileNotFoundError, OSError, ValueError) as exc:
+        return None, f"activations not measured: the data could not be read ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    batch = move_data_to_device(batch, torch.device("meta"))
+    seen = SavedTensors()
+    import warnings
+
+    model.train()
+    try:
+        with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(seen.pack, lambda t: t), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a trainer
+            model.training_step(batch, 0)
+    except (RuntimeError, NotImplementedError) as exc:  # e.g. a value read (.item()) in the step
+        return None, f"activations not measured: the training step cannot run on the meta device ({str(exc).splitlines()[0]})"
+    return seen.bytes, None
+
+
+def estimate(args: Sequence[str]) -> MemoryEstimate:
+    """Per-GPU memory of ``lowrank fit <args>`` (a ``--config`` and any overrides) at full size."""
+    from lowrank_lit.launch.lightning_cli import build_parser
+
+    cfg = build_parser("fit").parse_args(list(args))
+    model, data = _instantiate(cfg)
+    trainer = cfg.trainer
+    precision, strategy = str(trainer.get("precision") or "32-true"), str(trainer.get("strategy") or "auto")
+    devices = trainer.get("devices")
+    devices = int(devices) if isinstance(devices, int) and devices > 0 else 1
+    notes: list[str] = []
+    params = list(model.parameters())
+    half = precision.startswith(("bf16-true", "16-true"))
+    weights = sum(p.numel() * (2 if half and p.is_floating_point() else p.element_size()) for p in params)
+    weights += _nbytes(model.buffers())
+    trainable, state, trained = _optimizer_state(_optimizers(model, trainer), notes)
+    grads = sum(p.numel() * (2 if half else p.element_size()) for p in trained)
+    if precision.endswith("-mixed"):  # no autocast on the meta device: one dtype throughout (fp32, the upper bound)
+        model.float()
+    activations, why = _activations(model, data)
+    if why:
+        notes.append(why)
+    elif precision.endswith("-mixed"):
+        notes.append(f"autocast does not reach the meta device: under {precision} the activations are counted at fp32 "
+                     "(an upper bound; bf16 keeps most of them at half)")
+    ddp = grads if strategy.startswith("ddp") else 0
+    return MemoryEstimate(sum(p.numel() for p in params), trainable, weights, grads, state, ddp, activations, devices,
+                          strategy, precision, notes)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``lowrank estimate --config C.yaml [overrides...] [--gpu-memory GiB]``."""
+    argv = list(argv)
+    gpu = 80.0
+    if "--gpu-memory" in argv:
+        i = argv.index("--gpu-memory")
+        try:
+            gpu = float(argv[i + 1])
+        except (IndexError, ValueError):
+            print("lowrank estimate: error: --gpu-memory needs a number of GiB, e.g. --gpu-memory 80", file=sys.stderr)
+            return 2
+        del argv[i : i + 2]
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(estimate(argv).report(gpu))
+    return 0
