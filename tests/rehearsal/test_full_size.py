@@ -32,6 +32,15 @@ def test_hub_causal_lm_parameter_count(name, published):
     assert _count(model) == published
 
 
+def test_bert_base_tower_parameter_count():  # icl_rank_retriever/gptneo_gpu.yaml: two of them
+    from transformers import AutoConfig, AutoModel
+
+    values = json.loads((HUB / "bert-base-uncased.json").read_text())
+    with torch.device("meta"):
+        model = AutoModel.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+    assert _count(model) == 109_482_240
+
+
 def test_stable_diffusion_21_unet_parameter_count():  # shallow_diffuse/sd21_gpu.yaml
     from diffusers import UNet2DConditionModel
 
