@@ -83,5 +83,6 @@ def from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
 
     config = AutoConfig.from_pretrained(path, subfolder=kwargs.get("subfolder", ""))
     extra = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
-    model = cls.from_config(config, **extra)
+    build = getattr(cls, "from_config", None) or cls._from_config  # Auto classes / concrete model classes
+    model = build(config, **extra)
     return model if dtype is None else model.to(dtype)

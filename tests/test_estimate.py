@@ -82,3 +82,13 @@ def test_estimate_command_line(capsys, tmp_path):
     assert main(["estimate", "--config", str(CONFIGS / "baseline/mlp_digits.yaml"), "--gpu-memory", "1"]) == 0
     out = capsys.readouterr().out
     assert "total per GPU" in out and "fits in 1 GiB" in out
+
+
+def test_estimate_names_a_config_that_cannot_be_built_on_meta(capsys, tmp_path):
+    """An evaluation config whose model reads values while being built (Shallow Diffuse draws its key) says so."""
+    from lowrank_lit.cli import main
+
+    model_dir = fx.tiny_stable_diffusion(tmp_path / "sd")
+    rc = main(["estimate", "--config", str(CONFIGS / "shallow_diffuse/sd21_gpu.yaml"),
+               f"--model.init_args.denoiser.init_args.model_dir={model_dir}"])
+    assert rc == 2 and "cannot be built on the meta device" in capsys.readouterr().err

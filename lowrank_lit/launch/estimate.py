@@ -69,7 +69,8 @@ class MemoryEstimate:
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         fits = self.total <= gpu_gib * GiB
         lines.append(f"{self.strategy}, {self.devices} device(s), {self.precision}: "
-                     + (f"fits in {gpu_gib:g} GiB" if fits else f"does NOT fit in {gpu_gib:g} GiB"))
+                     + (f"fits in {gpu_gib:g} GiB" if fits else f"does NOT fit in {gpu_gib:g} GiB")
+                     + (" (without the activations)" if self.activations is None else ""))
         if not fits:
             for world in sorted({max(self.devices, 2), 8}):
                 lines.append(f"  FSDP over {world} GPUs (strategy: fsdp): {_gib(self.sharded_total(world))} per GPU")
@@ -189,7 +190,7 @@ def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None)
         with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(seen.pack, lambda t: t), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log without a trainer
             model.training_step(batch, 0)
-    except (RuntimeError, NotImplementedError) as exc:  # e.g. a value read (.item()) in the step
+    except Exception as exc:  # a value read (.item()) in the step, or no training step (an evaluation config)
         return None, f"activations not measured: the training step cannot run on the meta device ({str(exc).splitlines()[0]})"
     return seen.bytes, None
 
@@ -240,5 +241,19 @@ def main(argv: Sequence[str]) -> int:
         print(__doc__)
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(estimate(argv).report(gpu))
+    try:
+        result = estimate(argv)
+    except ValueError as exc:  # jsonargparse wraps what the classes raise while being built on the meta device
+        print(f"lowrank estimate: error: the config cannot be built on the meta device: {_root_message(exc)}", file=sys.stderr)
+        return 2
+    print(result.report(gpu))
     return 0
+
+
+def _root_message(exc: BaseException) -> str:
+    """The innermost useful line of an instantiation error (jsonargparse lists the union's errors)."""
+    text = str(exc)
+    for line in text.splitlines():
+        if line.strip().startswith("- ") and "Expected a <class 'NoneType'>" not in line:
+            return line.strip()[2:]
+    return text.splitlines()[0] if text else type(exc).__name__
