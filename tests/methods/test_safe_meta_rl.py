@@ -317,3 +317,45 @@ def test_must_show_gridnav(tmp_path):
                 assert last_values(run / "metrics.csv")["test/violations"] >= 1
     ratio = statistics.median(times["gridnav_safe"]) / statistics.median(times["gridnav_second_order"])
     print(f"meta-step time, first-order safe / second-order MAML: {ratio:.2f}")
+
+
+@pytest.fixture(scope="module")
+def pointnav_runs(tmp_path_factory):
+    """PointNav2D (policy network), seeds 0-4, the safe step, the fixed multiplier and nu = 0 (as
+    sweeps/safe_meta_rl_pointnav.yaml runs them): ``{adapt: [final metrics per seed]}``."""
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    root = tmp_path_factory.mktemp("pointnav")
+    out: dict[str, list[dict[str, float]]] = {}
+    for adapt in ("safe", "pg_lagrange", "unconstrained"):
+        for seed in range(5):
+            assert run_cli("fit", "--config", CONFIGS / "safe_meta_rl" / "pointnav_safe.yaml", f"--model.init_args.adapt={adapt}",
+                           f"--seed_everything={seed}", f"--run_id={adapt}_seed{seed}", "--trainer.enable_progress_bar=false",
+                           run_root=root) == 0
+            out.setdefault(adapt, []).append(last_values(root / "safe_meta_rl" / "pointnav_safe" / f"{adapt}_seed{seed}" / "metrics.csv"))
+    return out
+
+
+def _violations(runs: list[dict[str, float]]) -> float:
+    return sum(m["test/violations"] for m in runs)
+
+
+@pytest.mark.slow
+def test_must_show_pointnav_fewer_violations(pointnav_runs):
+    """What holds on PointNav2D over seeds 0-4: the safe step violates no more often than the fixed multiplier, and
+    both far less than nu = 0."""
+    v = {a: _violations(r) for a, r in pointnav_runs.items()}
+    assert v["safe"] <= v["pg_lagrange"] < v["unconstrained"], v
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="PointNav2D seeds 0-4: safe step 1 violation (seed 1), final J_r -17.19 +/- 2.15; "
+                   "fixed multiplier 2 violations, -16.67 +/- 1.65 (docs/methods/safe_meta_rl.md, Not reproduced here)")
+def test_must_show_pointnav_safe_and_better_than_the_fixed_multiplier(pointnav_runs):
+    """Our acceptance criterion: zero violations after every step over 5 seeds, and a final reward above the
+    fixed-multiplier baseline's."""
+    import statistics
+
+    final = {a: statistics.fmean(m["test/J_r_final"] for m in r) for a, r in pointnav_runs.items()}
+    assert _violations(pointnav_runs["safe"]) == 0 and final["safe"] > final["pg_lagrange"], final
