@@ -55,22 +55,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in _rows(Path(tmp)):
-            config = ROOT / "configs" / f"{name}.yaml"
-            e = estimate(["--config", str(config), *extra])
-            batch = next((a.split("=")[1] for a in extra if "batch_size=" in a), None) or _config_value(config, "batch_size")
-            accumulate = next((a.split("=")[1] for a in extra if "accumulate_grad_batches=" in a), None) or \
-                _config_value(config, "accumulate_grad_batches") or "1"
+            e = estimate(["--config", str(ROOT / "configs" / f"{name}.yaml"), *extra])
             act = "-" if e.activations is None else format_bytes(e.activations)
-            print(f"| `{name}` | {batch} x {accumulate} | {e.parameters:,} | {e.trainable:,} | {format_bytes(e.weights)} | "
+            print(f"| `{name}` | {e.batch_size} x {e.accumulate} | {e.parameters:,} | {e.trainable:,} | {format_bytes(e.weights)} | "
                   f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {act} | {format_bytes(e.total)} | "
                   f"{'yes' if e.total <= 80 * GiB else 'no'} |")
-
-
-def _config_value(config: Path, key: str) -> str | None:
-    import re
-
-    m = re.search(rf"^\s+{key}:\s*(\d+)", config.read_text(), re.M)
-    return m.group(1) if m else None
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,8 @@ class MemoryEstimate:
     devices: int
     strategy: str
     precision: str
+    batch_size: int | None = None  # per device, as the data module is configured
+    accumulate: int = 1  # accumulate_grad_batches
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -59,12 +62,12 @@ class MemoryEstimate:
 
     def report(self, gpu_gib: float = 80.0) -> str:
         rows = [("parameters", f"{self.parameters:,}"), ("trainable", f"{self.trainable:,}"),
-                ("weights", _gib(self.weights)), ("gradients", _gib(self.gradients)),
-                ("optimizer state", _gib(self.optimizer))]
+                ("weights", format_bytes(self.weights)), ("gradients", format_bytes(self.gradients)),
+                ("optimizer state", format_bytes(self.optimizer))]
         if self.ddp_buckets:
-            rows.append(("DDP gradient buckets", _gib(self.ddp_buckets)))
-        rows.append(("activations", "not measured" if self.activations is None else _gib(self.activations)))
-        rows.append(("total per GPU", _gib(self.total)))
+            rows.append(("DDP gradient buckets", format_bytes(self.ddp_buckets)))
+        rows.append(("activations", "not measured" if self.activations is None else format_bytes(self.activations)))
+        rows.append(("total per GPU", format_bytes(self.total)))
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
         fits = self.total <= gpu_gib * GiB
@@ -73,7 +76,7 @@ class MemoryEstimate:
                      + (" (without the activations)" if self.activations is None else ""))
         if not fits:
             for world in sorted({max(self.devices, 2), 8}):
-                lines.append(f"  FSDP over {world} GPUs (strategy: fsdp): {_gib(self.sharded_total(world))} per GPU")
+                lines.append(f"  FSDP over {world} GPUs (strategy: fsdp): {format_bytes(self.sharded_total(world))} per GPU")
             lines.append("  activation checkpointing lowers the activations line (keeps about one layer's worth per layer)")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
@@ -98,9 +101,6 @@ class SavedTensors:
 def format_bytes(n: int) -> str:
     """Bytes as GiB, or MiB below one GiB."""
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 1024**2:.1f} MiB"
-
-
-_gib = format_bytes
 
 
 def _nbytes(tensors: Any) -> int:
@@ -128,25 +128,20 @@ def _optimizers(model: pl.LightningModule, trainer_cfg: Any) -> list[torch.optim
     """The module's own optimizers; a schedule that asks for the run's length gets ``max_steps`` (else 1000)."""
     from types import SimpleNamespace
 
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
     steps = trainer_cfg.get("max_steps") or -1
     model._trainer = SimpleNamespace(estimated_stepping_batches=steps if steps > 0 else 1000, max_steps=steps,
                                      world_size=1, global_rank=0, is_global_zero=True)  # type: ignore[assignment]
     try:
-        out = model.configure_optimizers()
+        optimizers, _, _ = _configure_optimizers(model.configure_optimizers())  # Lightning's reading of the return
     finally:
         model._trainer = None
-    if isinstance(out, dict):
-        out = out["optimizer"]
-    if isinstance(out, (tuple, list)):
-        first = out[0]
-        out = first if isinstance(first, (tuple, list)) else [o["optimizer"] if isinstance(o, dict) else o for o in out]
-    return list(out) if isinstance(out, (tuple, list)) else [out]
+    return optimizers
 
 
-
-
-def _optimizer_state(optimizers: list[torch.optim.Optimizer], notes: list[str]) -> tuple[int, int, list[torch.nn.Parameter]]:
-    """(trainable numel, optimizer-state bytes, the parameters the optimizers hold).
+def _optimizer_state(optimizers: list[torch.optim.Optimizer], notes: list[str]) -> tuple[int, list[torch.nn.Parameter]]:
+    """(optimizer-state bytes, the parameters the optimizers hold).
 
     An optimizer that says its size (``steady_state_bytes()``) is asked; any other takes one step on meta gradients and
     its state is summed; one whose step reads values (not possible on the meta device) is counted as Adam-like.
@@ -167,7 +162,7 @@ def _optimizer_state(optimizers: list[torch.optim.Optimizer], notes: list[str]) 
         except (RuntimeError, NotImplementedError):
             total += sum(2 * p.numel() * p.element_size() for p in held)
             notes.append(f"{type(o).__name__}'s step cannot run on the meta device: its state is counted as Adam's (two moments)")
-    return sum(p.numel() for p in params), total, params
+    return total, params
 
 
 def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None) -> tuple[int | None, str | None]:
@@ -183,8 +178,6 @@ def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None)
         return None, f"activations not measured: the data could not be read ({type(exc).__name__}: {str(exc).splitlines()[0]})"
     batch = move_data_to_device(batch, torch.device("meta"))
     seen = SavedTensors()
-    import warnings
-
     model.train()
     try:
         with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(seen.pack, lambda t: t), warnings.catch_warnings():
@@ -210,7 +203,7 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
     half = precision.startswith(("bf16-true", "16-true"))
     weights = sum(p.numel() * (2 if half and p.is_floating_point() else p.element_size()) for p in params)
     weights += _nbytes(model.buffers())
-    trainable, state, trained = _optimizer_state(_optimizers(model, trainer), notes)
+    state, trained = _optimizer_state(_optimizers(model, trainer), notes)
     grads = sum(p.numel() * (2 if half else p.element_size()) for p in trained)
     if precision.endswith("-mixed"):  # no autocast on the meta device: one dtype throughout (fp32, the upper bound)
         model.float()
@@ -221,8 +214,10 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
         notes.append(f"autocast does not reach the meta device: under {precision} the activations are counted at fp32 "
                      "(an upper bound; bf16 keeps most of them at half)")
     ddp = grads if strategy.startswith("ddp") else 0
-    return MemoryEstimate(sum(p.numel() for p in params), trainable, weights, grads, state, ddp, activations, devices,
-                          strategy, precision, notes)
+    batch = cfg.data.get("init_args", {}).get("batch_size") if cfg.get("data") else None
+    return MemoryEstimate(sum(p.numel() for p in params), sum(p.numel() for p in trained), weights, grads, state, ddp,
+                          activations, devices, strategy, precision, batch, int(trainer.get("accumulate_grad_batches") or 1),
+                          notes)
 
 
 def main(argv: Sequence[str]) -> int:

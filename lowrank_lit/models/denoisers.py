@@ -26,6 +26,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
 from lowrank_lit.checkpoint import load_checkpoint
+from lowrank_lit.hub import from_pretrained
 
 __all__ = ["linear_alphas_cumprod", "GaussianPMP", "MixtureLowRankGaussianPMP", "UNetEps", "DiffusionTrainer", "digits_images",
            "DigitsMoLRG", "DigitsGaussianPMP", "TrainedUNetEps", "StableDiffusionEps"]
@@ -345,8 +346,6 @@ class StableDiffusionEps(_EpsNetwork):
         from transformers import CLIPTextModel, CLIPTokenizer
 
         dt = getattr(torch, dtype)
-        from lowrank_lit.hub import from_pretrained
-
         self.unet = from_pretrained(UNet2DConditionModel, model_dir, subfolder="unet", torch_dtype=dt, local_files_only=True)
         tok = CLIPTokenizer.from_pretrained(model_dir, subfolder="tokenizer", local_files_only=True)
         enc = from_pretrained(CLIPTextModel, model_dir, subfolder="text_encoder", local_files_only=True)

@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
 from lowrank_lit.checkpoint import load_checkpoint
+from lowrank_lit.hub import from_pretrained
 from lowrank_lit.optim import WarmupCosineLR, matrix_param_groups
 
 __all__ = ["llama", "CausalLanguageModel", "PaddedCausalLM"]
@@ -168,8 +169,6 @@ class PaddedCausalLM(nn.Module):
 
             if not os.path.isdir(str(name_or_path)):
                 raise FileNotFoundError(f"PaddedCausalLM: name_or_path={name_or_path!r} is not a local folder")
-            from lowrank_lit.hub import from_pretrained
-
             model = from_pretrained(AutoModelForCausalLM, name_or_path, torch_dtype=getattr(torch, dtype), local_files_only=True)
         self.model = model
 

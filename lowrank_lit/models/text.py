@@ -335,6 +335,10 @@ class _TrainedStateOnly:
     _frozen_owner: str
     pretrained: bool
 
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """Every adapter parameter (``lora_*``) of the backbone, trainable now or not (stage schedules switch them)."""
+        return [p for n, p in getattr(self, self._frozen_owner).backbone.named_parameters() if "lora_" in n]
+
     def _frozen_keys(self, state: dict[str, Any]) -> list[str]:
         heads = (f"{self._frozen_owner}.backbone.", f"{self._frozen_owner}.layers.")
         return [k for k in state if k.startswith(heads) and ".lora_" not in k]
@@ -443,10 +447,6 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
     @property
     def prompt(self) -> PromptModule | None:
         return self.encoder.prompt
-
-    def adapter_parameters(self) -> list[nn.Parameter]:
-        """Every adapter parameter (``lora_*``), trainable now or not (stage schedules switch them)."""
-        return [p for n, p in self.encoder.backbone.named_parameters() if "lora_" in n]
 
     def parameter_counts(self) -> dict[str, int]:
         """Trainable parameters: prompt, adapters (all of them), head, backbone (0 when frozen)."""
@@ -651,10 +651,6 @@ class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
         return self.lm(batch["input_ids"], batch["attention_mask"], instance_mask=self._instance_mask(batch),
                        labels=batch.get("labels"), embed_noise=noise)
 
-    def adapter_parameters(self) -> list[nn.Parameter]:
-        """Every adapter parameter (``lora_*``), trainable now or not (stage schedules switch them)."""
-        return [p for n, p in self.lm.backbone.named_parameters() if "lora_" in n]
-
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.train_on_noisy_copies:
             from lowrank_lit.data.text_tasks import QA_NOISY_KEYS
@@ -688,8 +684,9 @@ class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
         prompt = [] if self.prompt is None else [p for p in self.prompt.parameters() if p.requires_grad]
         if prompt:
             groups.append({"params": prompt, "lr": self.lr})
-        if self.adapter_parameters():  # all of them from the start: a stage switch needs no new optimizer
-            groups.append({"params": self.adapter_parameters(), "lr": self.lr_adapter})
+        adapters = self.adapter_parameters()  # all of them from the start: a stage switch needs no new optimizer
+        if adapters:
+            groups.append({"params": adapters, "lr": self.lr_adapter})
         if not groups:
             raise ValueError("PromptTunedLM: nothing to train (no prompt and no adapter); use `lowrank validate` to evaluate")
         optimizer = torch.optim.AdamW(groups, lr=self.lr)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch import Callback
 
 # ----------------------------------------------------------------------------------------- header commands
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -248,13 +249,7 @@ def tree(root: Path, depth: int = 3, limit: int = 12) -> str:
 
 
 # ----------------------------------------------------------------------------------------- DDP check
-try:
-    from lightning.pytorch import Callback as _Callback
-except ImportError:  # pragma: no cover
-    _Callback = object  # type: ignore[assignment,misc]
-
-
-class RankAgreement(_Callback):
+class RankAgreement(Callback):
     """At the end of fit, every rank sums its parameters; rank 0 writes ``rank_agreement.json`` with all ranks' sums
     (DDP keeps them equal; a rank that trained on its own would differ)."""
 
