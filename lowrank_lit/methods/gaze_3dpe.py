@@ -46,7 +46,7 @@ from lowrank_lit.report import (
 )
 
 __all__ = ["angular_loss", "gaze_zone", "ZONES", "gaze_align_loss", "domain_repel_loss", "ConceptBank", "ParamEncoder",
-           "ParamEncoderModule", "FacePriorGazePredictor", "ThreeDPEGaze"]
+           "ParamEncoderModule", "landmark_error", "FacePriorGazePredictor", "ThreeDPEGaze"]
 
 PAPER = "3DPE-Gaze: Unlocking the Potential of 3D Facial Priors for Generalized Gaze Estimation"
 VARIANTS = ("cnn", "finetune", "3dgp", "3dgp_repel", "3dgp_align", "full")
@@ -242,9 +242,18 @@ class ParamEncoderModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log("val/loss", self._loss(batch), prog_bar=True)
+        self.log("val/landmark_err", landmark_error(self.encoder.params(batch["image"]), batch["params"]), prog_bar=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_factory(self.encoder.parameters())
+
+
+def landmark_error(pred_params: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Mean 3D distance between the landmarks decoded from predicted and from true parameters ``(B, 15)`` (natural
+    units): what the frozen prior passes on to the gaze predictor."""
+    K_hat = landmarks(pred_params[:, :5], pred_params[:, 5:8], pred_params[:, 8:11])  # (B, 21, 3)
+    K = landmarks(params[:, :5], params[:, 5:8], params[:, 8:11])
+    return (K_hat - K).norm(dim=-1).mean()
 
 
 class FacePriorGazePredictor(nn.Module):
@@ -309,6 +318,10 @@ class ThreeDPEGaze(pl.LightningModule):
         gamma_dim: size of the gaze code. Default: 256.
         tau: InfoNCE temperature. Default: 0.07.
         margin: repulsion margin m. Default: 0.2.
+        margin_quantile: when set (in (0, 1)), ``margin`` is replaced at the first step with ``L_repel`` by this
+            quantile of that batch's similarities ``sim(z, t_dom)``, so that ``1 - margin_quantile`` of the
+            (face, domain phrase) pairs are repelled then; ``train/repel_margin`` and ``train/repel_active`` (the
+            share of pairs above the margin) are logged either way. Default: None (the fixed ``margin``).
         stage1_epochs: epochs of stage 1 (L_angle only) before SCAM joins. Default: 1.
         heads: attention heads of the predictor. Default: 8.
         test_domains: names of the test dataloaders (for the metric names). Default: [target_light, target_glasses].
@@ -317,7 +330,7 @@ class ThreeDPEGaze(pl.LightningModule):
 
     def __init__(self, encoder: ParamEncoder, encoder_ckpt: str | None = None, variant: str = "full",
                  concepts: ConceptBank | None = None, gamma_dim: int = 256, tau: float = 0.07, margin: float = 0.2,
-                 stage1_epochs: int = 1, heads: int = 8, test_domains: list[str] | None = None,
+                 margin_quantile: float | None = None, stage1_epochs: int = 1, heads: int = 8, test_domains: list[str] | None = None,
                  optimizer: OptimizerCallable = _default_optimizer) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -326,10 +339,16 @@ class ThreeDPEGaze(pl.LightningModule):
             raise ValueError(f"ThreeDPEGaze: tau={tau!r}; allowed: > 0")
         if not -1 <= margin <= 1:
             raise ValueError(f"ThreeDPEGaze: margin={margin!r}; allowed: [-1, 1]")
+        if margin_quantile is not None and not 0 < margin_quantile < 1:
+            raise ValueError(f"ThreeDPEGaze: margin_quantile={margin_quantile!r}; allowed: None or in (0, 1)")
         self.save_hyperparameters(ignore=["encoder", "concepts", "optimizer"], logger=False)
         if encoder_ckpt is not None:
             _load_encoder(encoder, encoder_ckpt)
-        self.variant, self.tau, self.margin, self.stage1_epochs = variant, tau, margin, stage1_epochs
+        self.variant, self.tau, self.stage1_epochs = variant, tau, stage1_epochs
+        self.margin_quantile = margin_quantile
+        # the margin in use; a buffer so that a resumed run keeps the one chosen from the similarities
+        self.register_buffer("repel_margin", torch.tensor(float(margin)))
+        self.register_buffer("margin_chosen", torch.tensor(margin_quantile is None))
         self.test_domains = list(test_domains) if test_domains is not None else ["target_light", "target_glasses"]
         self.optimizer_factory = optimizer
         self.encoder = encoder
@@ -387,8 +406,14 @@ class ThreeDPEGaze(pl.LightningModule):
                 loss = loss + la
             if self.use_repel:
                 dom = self.concepts.domain_emb[domain_phrase_indices(out["params"])]  # (B, 4, D)
-                lr_ = domain_repel_loss(z, dom, self.margin)
+                sims = torch.einsum("bd,bkd->bk", z, dom).detach()  # (B, 4)
+                if not bool(self.margin_chosen):
+                    self.repel_margin.fill_(float(torch.quantile(sims.flatten().float(), self.margin_quantile)))
+                    self.margin_chosen.fill_(True)
+                lr_ = domain_repel_loss(z, dom, float(self.repel_margin))
                 self.log("train/repel_loss", lr_)
+                self.log("train/repel_active", (sims > self.repel_margin).float().mean())
+                self.log("train/repel_margin", self.repel_margin)
                 loss = loss + lr_
         self.log("train/loss", loss, prog_bar=True)
         return loss

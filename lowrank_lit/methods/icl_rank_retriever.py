@@ -532,6 +532,7 @@ class ICLRetrieverModule(pl.LightningModule):
         self.ref_exemplar = None if exemplar_encoder is None and ref_exemplar_encoder is None else \
             self._reference(ref_exemplar_encoder, self.exemplar_tower, "ref_exemplar_encoder")
         self._pool_emb: torch.Tensor | None = None
+        self._top1: list[torch.Tensor] = []  # (B,) retrieved top-1 indices of the test batches
 
     # ---------------------------------------------------------------- towers
     @property
@@ -661,6 +662,14 @@ class ICLRetrieverModule(pl.LightningModule):
 
     def on_test_epoch_start(self) -> None:
         self._start_eval()
+        self._top1 = []
+
+    def on_test_epoch_end(self) -> None:
+        """``test/top1_distinct``: distinct exemplars retrieved as top-1 per test query (1: every query gets its own;
+        small: a few "hub" exemplars win the argmax for many queries); this rank's queries."""
+        if self._top1:
+            top = torch.cat(self._top1)
+            self.log("test/top1_distinct", len(top.unique()) / len(top))
 
     def _eval_step(self, batch: dict[str, Any], stage: str) -> None:
         assert self._pool_emb is not None
@@ -676,6 +685,12 @@ class ICLRetrieverModule(pl.LightningModule):
         top = scores.argmax(1)
         log("top1_acc", acc[rows, top])
         log("top1_utility", utility[rows, top])
+        # where the retrieved top-1 stands under the scorer: is it the best exemplar, and what share of the pool
+        # has a higher utility (0: the best, 0.5: a median exemplar)
+        log("top1_is_best", utility[rows, top] >= utility.max(1).values)
+        log("top1_utility_rank", (utility > utility[rows, top][:, None]).float().mean(1))
+        if stage == "test":
+            self._top1.append(top.detach().cpu())
         if stage == "test":
             knn = batch["knn"]
             log("spearman_knn", spearman_corrcoef(knn.T.float(), utility.T.float()))
@@ -755,7 +770,7 @@ def beam_retrieve(module: ICLRetrieverModule, query: Any, pool: Any = None, shot
 
 
 # --------------------------------------------------------------------------------------- summary
-_COLUMNS = ("test/spearman", "test/top1_acc")
+_COLUMNS = ("test/spearman", "test/top1_acc", "test/top1_is_best", "test/top1_utility_rank", "test/top1_distinct")
 _BASELINES = (("kNN", "test/spearman_knn", "test/top1_acc_knn"), ("random", None, "test/top1_acc_random"),
               ("oracle", None, "test/top1_acc_oracle"))
 
@@ -790,14 +805,23 @@ def summary(roots: list[str], out: str | None = None) -> str:
     order = [n for n in ("InfoNCE (Se^2)", "SeDPO", "hybrid") if n in rows] + \
         sorted(n for n in rows if n not in ("InfoNCE (Se^2)", "SeDPO", "hybrid", "kNN", "random", "oracle")) + \
         [n for n in ("kNN", "random", "oracle") if n in rows]
-    header = ["retriever", "Spearman: mean", "Spearman: " + " / ".join(f"seed {s}" for s in seeds),
-              "top-1 acc: mean", "top-1 acc: " + " / ".join(f"seed {s}" for s in seeds)]
-    table = []
+    def spread(xs: list[float]) -> str:
+        xs = [x for x in xs if not math.isnan(x)]
+        if len(xs) < 2:
+            return fmt(xs)
+        return f"{statistics.fmean(xs):.3f} ± {statistics.stdev(xs):.3f}"
+
+    header = ["retriever", "Spearman: mean ± std", "Spearman: " + " / ".join(f"seed {s}" for s in seeds),
+              "top-1 acc: mean ± std", "top-1 acc: " + " / ".join(f"seed {s}" for s in seeds)]
+    table, diag = [], []
     for name in order:
         per = rows[name]
         sp = [per[s]["test/spearman"] if s in per else float("nan") for s in seeds]
         ac = [per[s]["test/top1_acc"] if s in per else float("nan") for s in seeds]
-        table.append([name, fmt(sp), " / ".join(fmt([x]) for x in sp), fmt(ac), " / ".join(fmt([x]) for x in ac)])
+        table.append([name, spread(sp), " / ".join(fmt([x]) for x in sp), spread(ac), " / ".join(fmt([x]) for x in ac)])
+        cols = [[per[s].get(k, float("nan")) if s in per else float("nan") for s in seeds] for k in _COLUMNS[2:]]
+        if any(not math.isnan(x) for c in cols for x in c):
+            diag.append([name, *(spread(c) for c in cols)])
     if out:
         fig, axes = new_figure(1, 2, figsize=(9, 3.5))
         names = [n for n in order]
@@ -810,4 +834,10 @@ def summary(roots: list[str], out: str | None = None) -> str:
             ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
             ax.set_title(title, fontsize=9)
         save_figure(fig, out)
-    return markdown_table(header, table)
+    text = markdown_table(header, table)
+    if diag:
+        text += "\n\nThe retrieved top-1 under the scorer (mean ± std over seeds): the share of queries whose top-1 is the " \
+                "exemplar of highest utility, the share of the pool with a higher utility than the top-1, and the " \
+                "distinct top-1 exemplars per query:\n\n" + markdown_table(
+                    ["retriever", "top-1 is the best", "pool share above the top-1", "distinct top-1 per query"], diag)
+    return text

@@ -50,7 +50,8 @@ from lowrank_lit.report import (
 )
 from lowrank_lit.seeding import run_seed
 
-__all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context", "VanillaRNN", "CognitiveStreamDataModule", "WhatHowModule"]
+__all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context", "VanillaRNN", "CognitiveStreamDataModule", "WhatHowModule",
+           "state_holding", "hold_loss"]
 
 PAPER = "Separating the what and how of compositional computation to enable reuse and continual learning"
 
@@ -105,8 +106,10 @@ class ComposedLowRankRNN(nn.Module):
         """``U_k V_k^T`` ``(N, N)`` (rank <= r)."""
         return self.U[k] @ self.V[k].T
 
-    def forward(self, inputs: torch.Tensor, context: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
-        """``inputs (B, T, n_in)``, ``context (B, T, K)`` -> outputs ``(B, T, n_out)``."""
+    def forward(self, inputs: torch.Tensor, context: torch.Tensor, h0: torch.Tensor | None = None,
+                return_states: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``inputs (B, T, n_in)``, ``context (B, T, K)`` -> outputs ``(B, T, n_out)`` (and, with ``return_states``,
+        the rates ``tanh(h_{t+1})`` ``(B, T, N)`` the outputs are read from)."""
         B, T, n_in = inputs.shape
         if n_in != self.n_in:
             raise ValueError(f"ComposedLowRankRNN: inputs with {n_in} features; allowed: n_in={self.n_in}")
@@ -115,14 +118,16 @@ class ComposedLowRankRNN(nn.Module):
         check_context(context, B, T, self.max_components)
         h = torch.zeros(B, self.n_units, dtype=inputs.dtype) if h0 is None else h0
         drive = inputs @ self.W_in.T + context @ self.b  # (B, T, N)
-        outs = []
+        rates = []
         for t in range(T):
             r = torch.tanh(h)  # (B, N)
             proj = torch.einsum("bn,knr->bkr", r, self.V)  # (B, K, r)
             low = torch.einsum("bk,bkr,knr->bn", context[:, t], proj, self.U)  # (B, N)
             h = (1 - self.alpha) * h + self.alpha * (r @ self.W0.T + self.gamma * low + drive[:, t])
-            outs.append(torch.tanh(h) @ self.W_out.T)
-        return torch.stack(outs, 1)
+            rates.append(torch.tanh(h))
+        states = torch.stack(rates, 1)  # (B, T, N)
+        outs = states @ self.W_out.T  # (B, T, n_out)
+        return (outs, states) if return_states else outs
 
 
 class EpochHMM:
@@ -376,14 +381,17 @@ class VanillaRNN(nn.Module):
         self.b = nn.Parameter(torch.zeros(n_units))
         self.W_out = nn.Parameter(torch.randn(n_out, n_units, generator=g) / math.sqrt(n_units))
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, return_states: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``inputs (B, T, n_in)`` -> outputs ``(B, T, n_out)`` (and the rates ``(B, T, N)`` with ``return_states``)."""
         h = torch.zeros(inputs.shape[0], self.n_units, dtype=inputs.dtype)
         drive = inputs @ self.W_in.T + self.b
-        outs = []
+        rates = []
         for t in range(inputs.shape[1]):
             h = (1 - self.alpha) * h + self.alpha * (torch.tanh(h) @ self.W.T + drive[:, t])
-            outs.append(torch.tanh(h) @ self.W_out.T)
-        return torch.stack(outs, 1)
+            rates.append(torch.tanh(h))
+        states = torch.stack(rates, 1)  # (B, T, N)
+        outs = states @ self.W_out.T
+        return (outs, states) if return_states else outs
 
 
 class _StreamBatches(SeededBatches):
@@ -436,6 +444,56 @@ METHODS = ("what_how", "oracle", "vanilla")
 
 
 @register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary")
+def _decode_accuracy(fit: torch.Tensor, theta_fit: torch.Tensor, test: torch.Tensor, theta_test: torch.Tensor,
+                     tol: float = math.pi / 10) -> float:
+    """Least-squares linear decoder ``[r, 1] -> (cos, sin)`` fitted on ``fit (n, N)``; the share of ``test`` trials
+    whose decoded angle is within ``tol`` of the stimulus angle."""
+    X = torch.cat([fit, torch.ones(len(fit), 1, dtype=fit.dtype)], 1).double()  # (n, N + 1)
+    Y = torch.stack([theta_fit.cos(), theta_fit.sin()], 1).double()  # (n, 2)
+    W = torch.linalg.lstsq(X, Y, rcond=None).solution  # (N + 1, 2)
+    pred = torch.cat([test, torch.ones(len(test), 1, dtype=test.dtype)], 1).double() @ W
+    err = torch.atan2(pred[:, 1], pred[:, 0]) - theta_test.double()
+    return float((torch.atan2(err.sin(), err.cos()).abs() < tol).float().mean())
+
+
+def hold_loss(states: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor | None:
+    """Mean over the memory steps of ``||r_t - r_S||^2 / ||r_S||^2`` for rates ``states (B, T, N)``, ``r_S`` the
+    (detached) rates at the last stimulus step; None for trials without a memory epoch (``epochs (B, T)``, the
+    same epoch sequence in every trial)."""
+    from lowrank_lit.data.cognitive import EPOCHS
+
+    memory = epochs[0] == EPOCHS.index("M")  # (T,)
+    if not bool(memory.any()):
+        return None
+    r_s = states[:, int(memory.nonzero()[0]) - 1].detach()  # (B, N)
+    dist = (states[:, memory] - r_s[:, None]).pow(2).sum(-1) / r_s.pow(2).sum(-1, keepdim=True).clamp_min(1e-8)
+    return dist.mean()
+
+
+def state_holding(states: torch.Tensor, epochs: torch.Tensor, theta: torch.Tensor) -> dict[str, float]:
+    """How well the memory epoch holds the stimulus, from rates ``states (n, T, N)`` of trials with epochs
+    ``(n, T)`` and stimulus angles ``theta (n,)``; {} for trials without a memory epoch.
+
+    * ``hold_distance``: mean ``||r_M - r_S|| / ||r_S||`` between the rates at the last memory step and at the
+      last stimulus step (0: the state is held exactly);
+    * ``decode_delay``: decoding accuracy of the angle from ``r_M`` (decoder fitted on the first half of the
+      trials at the same step, tested on the second);
+    * ``decode_transfer``: the decoder fitted on ``r_S`` applied to ``r_M``: whether what a component reading the
+      state right after the stimulus would read is still there after the delay.
+    """
+    from lowrank_lit.data.cognitive import EPOCHS
+
+    m = (epochs[0] == EPOCHS.index("M")).nonzero()
+    if len(m) == 0:
+        return {}
+    s_end, m_end = int(m[0]) - 1, int(m[-1])
+    r_s, r_m = states[:, s_end].double(), states[:, m_end].double()  # (n, N)
+    half = len(theta) // 2
+    return {"hold_distance": float(((r_m - r_s).norm(dim=1) / r_s.norm(dim=1).clamp_min(1e-8)).mean()),
+            "decode_delay": _decode_accuracy(r_m[:half], theta[:half], r_m[half:], theta[half:]),
+            "decode_transfer": _decode_accuracy(r_s[:half], theta[:half], r_m[half:], theta[half:])}
+
+
 class WhatHowModule(pl.LightningModule):
     """Continual learning over the task stream of :class:`CognitiveStreamDataModule`.
 
@@ -458,14 +516,24 @@ class WhatHowModule(pl.LightningModule):
         lr: Adam learning rate. Default: 3e-3.
         what_trials: trials the what system observes per new task (also for an unseen evaluation task). Default: 30.
         eval_trials: trials per task in the forgetting matrix. Default: 256.
+        hold_weight: weight of an auxiliary state-holding loss on the memory epoch of a training trial (ours, not
+            the paper's): the mean over the memory steps of ``||r_t - r_S||^2 / ||r_S||^2``, ``r_S`` the rates at
+            the last stimulus step (detached), so that the memory component keeps the state where a response
+            component trained straight after the stimulus reads it. 0: off. Default: 0.
+
+    After every stage, for each evaluation task with a memory epoch, the state-holding diagnostics are logged
+    (:func:`state_holding`): ``state/after_<k>_<trained>/<task>/hold_distance``, ``.../decode_delay`` and
+    ``.../decode_transfer``.
     """
 
     def __init__(self, how: ComposedLowRankRNN | None = None, what: EpochHMM | None = None, method: str = "what_how",
                  vanilla: VanillaRNN | None = None, freeze_reused: bool = True, lr: float = 3e-3, what_trials: int = 30,
-                 eval_trials: int = 256) -> None:
+                 eval_trials: int = 256, hold_weight: float = 0.0) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"WhatHowModule: method={method!r}; allowed: {', '.join(METHODS)}")
+        if not hold_weight >= 0:
+            raise ValueError(f"WhatHowModule: hold_weight={hold_weight!r}; allowed: >= 0")
         self.save_hyperparameters(ignore=["how", "what", "vanilla"], logger=False)
         self.method = method
         self.how = how if how is not None else ComposedLowRankRNN()
@@ -499,14 +567,15 @@ class WhatHowModule(pl.LightningModule):
             return self._oracle_context(batch["epochs"])
         return (what or self.what).filter(batch["inputs"], batch["theta"], task).float()
 
-    def outputs(self, batch: dict[str, Any], task: str, what: EpochHMM | None = None) -> torch.Tensor:
+    def outputs(self, batch: dict[str, Any], task: str, what: EpochHMM | None = None,
+                return_states: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.method == "vanilla":
             from lowrank_lit.data.cognitive import TASKS
 
             onehot = torch.zeros(*batch["inputs"].shape[:2], len(TASKS))
             onehot[..., list(TASKS).index(task)] = 1
-            return self.vanilla(torch.cat([batch["inputs"], onehot], -1))
-        return self.how(batch["inputs"], self.context(batch, task, what))
+            return self.vanilla(torch.cat([batch["inputs"], onehot], -1), return_states=return_states)
+        return self.how(batch["inputs"], self.context(batch, task, what), return_states=return_states)
 
     def _observe(self, what: EpochHMM, task: str, seed: int) -> None:
         from lowrank_lit.data.cognitive import make_trials
@@ -543,8 +612,12 @@ class WhatHowModule(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         task = self._dm.tasks[int(batch["stage"])]
-        out = self.outputs(batch, task)
+        out, states = self.outputs(batch, task, return_states=True)
         loss = (batch["mask"] * (out - batch["targets"]) ** 2).mean()
+        hold = hold_loss(states, batch["epochs"]) if self.hparams.hold_weight > 0 else None
+        if hold is not None:
+            self.log("train/hold_loss", hold)
+            loss = loss + self.hparams.hold_weight * hold
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/stage", float(batch["stage"]))
         self.log("train/vocab", float(self.what.vocab_size if self.method == "what_how" else len(self.epoch_slot)))
@@ -570,10 +643,13 @@ class WhatHowModule(pl.LightningModule):
                 self._observe(what, task, 104729 + j)
             tr = make_trials(task, self.hparams.eval_trials, torch.Generator().manual_seed(31337 + j), self._dm.noise)
             slots = dict(self.epoch_slot)
-            acc = response_accuracy(self.outputs(tr, task, what), tr["targets"], tr["epochs"])
+            out, states = self.outputs(tr, task, what, return_states=True)
+            acc = response_accuracy(out, tr["targets"], tr["epochs"])
             self.epoch_slot = slots  # evaluation never allocates components
             row[task] = acc
             self.log(f"forget/after_{stage}_{self._dm.tasks[stage]}/{task}", acc)
+            for key, val in state_holding(states, tr["epochs"], tr["theta"]).items():
+                self.log(f"state/after_{stage}_{self._dm.tasks[stage]}/{task}/{key}", val)
         self.matrix.append(row)
         return row
 
@@ -638,12 +714,16 @@ def summary(roots: list[str], out: str | None = None) -> str:
     import statistics as st
 
     by: dict[str, list[list[dict[str, str]]]] = {}
+    metrics: dict[str, list[tuple[Any, dict[str, float]]]] = {}
     for run in read_runs(roots, "forgetting.csv"):
         init = run.config["model"]["init_args"]
         method = init.get("method", "what_how")
         if method != "vanilla":
             method += f" (W_0 gain {((init.get('how') or {}).get('init_args') or {}).get('w0_gain', 0.8):g})"
+        if float(init.get("hold_weight") or 0) > 0:
+            method += f", hold {float(init['hold_weight']):g}"
         by.setdefault(method, []).append(run.rows("forgetting.csv"))
+        metrics.setdefault(method, []).append((run.config.get("seed_everything"), run.metrics))
     order = sorted(by, key=lambda m: (METHODS.index(m.split(" ")[0]) if m.split(" ")[0] in METHODS else len(METHODS), m))
     tasks = [k for k in next(iter(by.values()))[0][0] if k not in ("stage", "trained", "vocab")]
     rows = []
@@ -668,6 +748,22 @@ def summary(roots: list[str], out: str | None = None) -> str:
         crit.append([m, len(runs), *cells])
     text += "\n\n" + markdown_table(["method", "runs", f"{trained[0]} drop", "largest forgetting of a trained task",
                                      *(f"{t} zero-shot" for t in unseen)], crit)
+    # per seed: zero-shot accuracy of the unseen task(s) and the state-holding diagnostics after the last stage
+    last = f"state/after_{len(trained) - 1}_{trained[-1]}"
+    seed_rows = []
+    for m in order:
+        for t in unseen:
+            per = sorted(metrics.get(m, []), key=lambda sm: str(sm[0]))
+            z = [v.get(f"forget/after_{len(trained) - 1}_{trained[-1]}/{t}", math.nan) for _, v in per]
+            keys = ("hold_distance", "decode_delay", "decode_transfer")
+            diag = [[v.get(f"{last}/{t}/{k}", math.nan) for _, v in per] for k in keys]
+            spread = f"{st.fmean(z):.2f} ± {st.stdev(z):.2f}" if len(z) > 1 else f"{z[0]:.2f}"
+            seed_rows.append([m, t, " / ".join(f"{x:.2f}" for x in z), spread,
+                              *(f"{st.fmean(d):.2f}" if d and not any(math.isnan(x) for x in d) else "-" for d in diag)])
+    if seed_rows:
+        text += "\n\nPer seed, after the last stage (diagnostics: mean over seeds):\n\n" + markdown_table(
+            ["method", "task", "zero-shot per seed", "mean ± std", "hold distance", "decode at delay end",
+             "stimulus decoder at delay end"], seed_rows)
     if out:
 
         fig, axes = new_figure(1, len(order), figsize=(3.4 * len(order), 2.6), squeeze=False)

@@ -276,18 +276,31 @@ def null_space_fraction(J: torch.Tensor, dx: torch.Tensor, tol: float = 1e-2) ->
 
 # -- attacks and metrics -------------------------------------------------------------------------------
 
-def _jpeg(x: torch.Tensor, quality: int = 75) -> torch.Tensor:
+def _to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """What a saved image holds: the pipeline's post-processing ``(x / 2 + 0.5).clamp(0, 1)`` to 8 bits (diffusers'
+    ``VaeImageProcessor.postprocess`` then PIL), so pixels outside [-1, 1] are clipped as in any saved file."""
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+
+def _pil_round_trip(x: torch.Tensor, fmt: str, **save_kw: Any) -> torch.Tensor:
+    """Save each channel of ``x (B, C, H, W)`` in [-1, 1] as an 8-bit image file in memory and read it back."""
+    import numpy as np
     from PIL import Image
 
     out = torch.empty_like(x)
-    u8 = ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    u8 = _to_uint8(x)
     for i in range(x.shape[0]):
         for c in range(x.shape[1]):
             buf = io.BytesIO()
-            Image.fromarray(u8[i, c].numpy(), mode="L").save(buf, format="JPEG", quality=quality)
+            Image.fromarray(u8[i, c].numpy(), mode="L").save(buf, format=fmt, **save_kw)
             buf.seek(0)
-            out[i, c] = torch.as_tensor(list(Image.open(buf).getdata()), dtype=x.dtype).view(x.shape[-2:]) / 127.5 - 1
+            back = np.asarray(Image.open(buf).convert("L"), dtype=np.float32)  # (H, W) in 0..255
+            out[i, c] = torch.from_numpy(back).to(x) / 127.5 - 1
     return out
+
+
+def _jpeg(x: torch.Tensor, quality: int = 75) -> torch.Tensor:
+    return _pil_round_trip(x, "JPEG", quality=quality)
 
 
 def _crop_resize(x: torch.Tensor, frac: float = 0.75) -> torch.Tensor:
@@ -299,7 +312,9 @@ def _crop_resize(x: torch.Tensor, frac: float = 0.75) -> torch.Tensor:
 
 ATTACKS: dict[str, Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = {
     "clean": lambda x, g: x,
-    "quantize8": lambda x, g: ((x.clamp(-1, 1) + 1) * 127.5).round() / 127.5 - 1,
+    "quantize8": lambda x, g: _to_uint8(x).to(x) / 127.5 - 1,
+    "png": lambda x, g: _pil_round_trip(x, "PNG"),
+    "jpeg90": lambda x, g: _jpeg(x, 90),
     "noise0.01": lambda x, g: x + 0.01 * torch.randn(x.shape, generator=g).to(x),
     "noise0.05": lambda x, g: x + 0.05 * torch.randn(x.shape, generator=g).to(x),
     "jpeg": lambda x, g: _jpeg(x),

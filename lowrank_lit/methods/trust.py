@@ -11,13 +11,21 @@ domain; reset to the source weights and a fresh Adam at each new domain with
 
 1. for each of the K traversals in order (``mode="sequential"``): set ``pi_k``; pseudo-label
    ``y_hat = argmax`` of an eval-mode, no-grad forward; cross-entropy of a train-mode forward against
-   ``y_hat``; ``steps`` Adam steps; snapshot ``theta_k``. Weights carry over from k to k+1; ``"parallel"``
-   instead starts every k from the batch's starting weights and Adam state (inferred: the code's "source
-   state" read as the state this batch started from, so adaptation still accumulates across batches);
-2. ``theta = mean_k theta_k`` (``merge="mean"``) or SLERP with inverse-entropy weights (``"slerp"``:
-   pairwise spherical interpolation per tensor, ``theta <- slerp(theta, theta_k, w_k / sum_{j<=k} w_j)``,
-   ``w_k`` proportional to 1 / the mean entropy of traversal k's pseudo-label forward); load it and keep the
-   Adam state of the last step;
+   ``y_hat``; ``steps`` Adam steps; snapshot ``theta_k``. Weights carry over from k to k+1. ``"parallel"``
+   follows the official code: after each traversal the weights and the Adam state go back to the source
+   state (the domain's start), so the first traversal of a batch continues from the previous batch's merged
+   weights (with a fresh Adam state) and the other K-1 start from the source; ``"parallel_batch"`` instead starts every traversal from
+   the weights and Adam state this batch started from (adaptation accumulates across batches);
+2. ``theta = mean_k theta_k`` (``merge="mean"``) or SLERP with inverse-entropy weights (``"slerp"``, the
+   official ``multi_slerp_state_dict``): ``c_k = (1/H_k) / sum_j (1/H_j)`` with ``H_k`` the mean prediction
+   entropy of traversal k's first train-mode forward; ``theta <- theta_1``, then for k = 2..K
+   ``theta <- slerp(theta, theta_k, c_k)`` with ONE angle for all tensors, ``Omega = arccos(mean over tensors of
+   cos(theta_t, theta_k,t))``, and linear interpolation when ``Omega = 0``. The official code averages the
+   cosine over every parameter of the network (frozen ones included, cosine 1) and applies the two SLERP
+   coefficients to the frozen tensors too, which rescales them by ``(sin((1-c)Omega) + sin(c Omega)) / sin Omega``;
+   here the angle and the interpolation cover the adapted tensors only, so frozen weights stay as trained.
+   ``"slerp_per_tensor"`` is the earlier form: one angle per tensor and cumulative weights
+   ``w_k / sum_{j<=k} w_j``. Load the merge and keep the Adam state of the last step;
 3. predict the batch in eval mode with the default traversal ``abcd`` (the prediction is therefore
    post-adaptation, unlike Tent's).
 
@@ -52,11 +60,12 @@ from lowrank_lit.report import Run, markdown_table, new_figure, read_runs, save_
 from lowrank_lit.tta.base import TTAMethod, entropy
 
 __all__ = ["PAPER_TRAVERSALS", "trust_params", "traversal_entropies", "rank_traversals", "merge_mean", "merge_slerp",
+           "merge_slerp_per_tensor",
            "TRUST", "TrustNaive", "summary"]
 
 PAPER = "TRUST: Test-Time Refinement using Uncertainty-Guided SSM Traverses"
-MODES = ("sequential", "parallel")
-MERGES = ("mean", "slerp")
+MODES = ("sequential", "parallel", "parallel_batch")
+MERGES = ("mean", "slerp", "slerp_per_tensor")
 IDENTITY = (0, 1, 2, 3)
 
 #: the official code's six traversals (abcd, bacd, abdc, dbca, badc, adcb), by ImageNet-C mean entropy
@@ -146,10 +155,36 @@ def _slerp(a: torch.Tensor, b: torch.Tensor, t: float, eps: float = 1e-7) -> tor
     return (torch.sin((1 - t) * omega) / s) * a + (torch.sin(t * omega) / s) * b
 
 
+def _check_weights(where: str, snapshots: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> None:
+    if len(weights) != len(snapshots) or any(not w > 0 for w in weights):
+        raise ValueError(f"{where}: {len(weights)} weights for {len(snapshots)} snapshots; allowed: one positive weight each")
+
+
 def merge_slerp(snapshots: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
-    """Weighted spherical interpolation per tensor: ``theta <- slerp(theta, theta_k, w_k / sum_{j<=k} w_j)``."""
-    if len(weights) != len(snapshots) or any(w <= 0 for w in weights):
-        raise ValueError(f"merge_slerp: {len(weights)} weights for {len(snapshots)} snapshots; allowed: one positive weight each")
+    """The official code's multi-model SLERP: with ``c = weights / sum(weights)``, ``theta <- snapshots[0]`` and
+    for k >= 1 ``theta <- slerp(theta, snapshots[k], c_k)``, one angle for all tensors (the arccos of the mean
+    per-tensor cosine similarity), linear interpolation when that angle is 0. ``c_0`` is not used."""
+    _check_weights("merge_slerp", snapshots, weights)
+    total = float(sum(weights))
+    acc = [t.clone() for t in snapshots[0]]
+    for snap, w in zip(snapshots[1:], weights[1:], strict=True):
+        c = float(w) / total
+        cos = torch.stack([(a.flatten().double() @ b.flatten().double()) / (a.norm().double() * b.norm().double() + 1e-8)
+                           for a, b in zip(acc, snap, strict=True)]).mean()
+        omega = torch.arccos(cos.clamp(-1.0, 1.0))
+        if float(omega) == 0.0:
+            acc = [(1 - c) * a + c * b for a, b in zip(acc, snap, strict=True)]
+            continue
+        s = torch.sin(omega)
+        ca, cb = float(torch.sin((1 - c) * omega) / s), float(torch.sin(c * omega) / s)
+        acc = [ca * a + cb * b for a, b in zip(acc, snap, strict=True)]
+    return acc
+
+
+def merge_slerp_per_tensor(snapshots: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+    """Weighted spherical interpolation per tensor: ``theta <- slerp(theta, theta_k, w_k / sum_{j<=k} w_j)``,
+    each tensor with its own angle (the equal-share running form; ``merge="slerp_per_tensor"``)."""
+    _check_weights("merge_slerp_per_tensor", snapshots, weights)
     acc, total = [t.clone() for t in snapshots[0]], float(weights[0])
     for snap, w in zip(snapshots[1:], weights[1:], strict=True):
         total += float(w)
@@ -173,7 +208,7 @@ class _PseudoLabelMixin:
 
     def _pseudo_label_steps(self, x: torch.Tensor, perm: Sequence[int]) -> float:
         """Set ``perm``; label with an eval-mode no-grad forward; ``steps`` CE steps in train mode. Returns the
-        labelling forward's mean entropy."""
+        mean prediction entropy of the first train-mode forward (the one the official code weights SLERP by)."""
         assert self.model is not None and self.optimizer is not None, "call setup() first"
         set_traversal(self.model, perm)
         self.model.eval()
@@ -181,13 +216,18 @@ class _PseudoLabelMixin:
             logits = self.model(x)  # (B, classes)
         y_hat = logits.argmax(dim=1)  # (B,)
         self.model.train()
+        ent = None
         with torch.enable_grad():
             for _ in range(self.steps):
-                loss = F.cross_entropy(self.model(x), y_hat)
+                out = self.model(x)  # (B, classes)
+                if ent is None:
+                    ent = float(entropy(out.detach()).mean())
+                loss = F.cross_entropy(out, y_hat)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
-        return float(entropy(logits).mean())
+        assert ent is not None
+        return ent
 
     def _predict_with(self, x: torch.Tensor, perm: Sequence[int]) -> torch.Tensor:
         assert self.model is not None
@@ -205,9 +245,11 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
         k: traversals used per batch, 1..24. Default: 6.
         lr: Adam learning rate. Default: 1e-4 (the paper's; 1e-3 in the digits experiment).
         steps: Adam steps per traversal. Default: 1.
-        mode: ``sequential`` (weights carry over from traversal to traversal) or ``parallel`` (each traversal
-            starts from the batch's starting weights). Default: sequential.
-        merge: ``mean`` (uniform weight average) or ``slerp`` (inverse-entropy weighted SLERP). Default: mean.
+        mode: ``sequential`` (weights carry over from traversal to traversal), ``parallel`` (the official code:
+            after each traversal back to the source weights and a fresh Adam state) or ``parallel_batch`` (each
+            traversal starts from the weights and Adam state the batch started from). Default: sequential.
+        merge: ``mean`` (uniform weight average), ``slerp`` (the official inverse-entropy weighted SLERP with one
+            shared angle) or ``slerp_per_tensor`` (one angle per tensor, cumulative weights). Default: mean.
         traversals: ``ranked`` (the K lowest-entropy permutations on the first batch of each domain), ``paper``
             (the official code's six, first K), or an explicit list of K permutations of 0..3. Default: ranked.
         eval_traversal: the traversal of the final prediction. Default: (0, 1, 2, 3) (abcd).
@@ -270,18 +312,29 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
         self._check_batch(x)
         if self.order is None:
             self.order = self._rank(x)
-        start = self.get_state() if self.mode == "parallel" else None
+        if self.mode == "parallel":  # the official code: back to the source state after every traversal
+            start = getattr(self, "_source_state", None)
+            if start is None:  # used outside TTAModule without snapshot_source(): the weights before the first batch
+                self.snapshot_source()
+                start = self._source_state
+        else:
+            start = self.get_state() if self.mode == "parallel_batch" else None
         snapshots, ents = [], []
         for i, perm in enumerate(self.order):
             if start is not None and i > 0:
                 self.set_state(start)
+                if self.mode == "parallel" and self.optimizer is not None:
+                    self.optimizer.state.clear()
             ents.append(self._pseudo_label_steps(x, perm))
             snapshots.append(self.get_params())
+        if self.mode == "parallel" and self.optimizer is not None:
+            self.optimizer.state.clear()  # the official reset follows every traversal, the last one included
         self.last_entropies = ents
         if self.merge == "mean":
             merged = merge_mean(snapshots)
         else:
-            merged = merge_slerp(snapshots, [1.0 / max(e, 1e-8) for e in ents])
+            merge = merge_slerp if self.merge == "slerp" else merge_slerp_per_tensor
+            merged = merge(snapshots, [1.0 / max(e, 1e-8) for e in ents])
         self.load_params(merged)
         return self._predict_with(x, self.eval_traversal)
 
@@ -338,6 +391,7 @@ def _method_label(entry: dict[str, Any]) -> str:
 
 
 _ORDER = ("source", "source + test-batch BN statistics", "Tent", "TRUST-naive", "TRUST")
+_NORM_NAMES = {"bn": "BatchNorm", "ln2d": "LayerNorm", "gn": "GroupNorm"}
 
 
 def _sort_key(row: dict[str, Any]) -> tuple[int, str]:
@@ -353,9 +407,12 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
         cfg = run.config
         vals = run.metrics
         accs = {k[len("test/acc_"):]: v for k, v in vals.items() if k.startswith("test/acc_") and k != "test/acc_domains"}
+        norm = ((cfg["model"]["init_args"].get("model") or {}).get("init_args") or {}).get("norm", "bn")
+        batch = (cfg["data"].get("init_args") or {}).get("batch_size")
         out.append({"method": _method_label(cfg["model"]["init_args"]["method"]), "seed": cfg.get("seed_everything"),
-                    "accs": accs})
-    return sorted(out, key=_sort_key)
+                    "accs": accs, "setting": f"{_NORM_NAMES.get(norm, norm)}, batch {batch}",
+                    "setting_key": (norm, -(batch or 0))})
+    return sorted(out, key=lambda r: (r["setting_key"], *_sort_key(r)))
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -402,6 +459,42 @@ def traversal_spread(run_dirs: list[str]) -> str:
     return markdown_table(["corruption", "runs", "lowest entropy", "highest entropy", "spread", "0123 kept"], table)
 
 
+def drift_table(run_dirs: list[str]) -> str:
+    """Markdown: per setting and method, accuracy and mean prediction entropy over the first and the last third of
+    each corruption's batches (``tta_batches.csv``), averaged over corruptions and runs: whether adaptation
+    improves along the stream or collapses (entropy falling while accuracy falls)."""
+    import csv
+    import os
+
+    acc: dict[tuple[tuple[str, int], str, str], dict[str, list[float]]] = {}
+    for run in map(Run, run_dirs):
+        path = os.path.join(run, "tta_batches.csv")
+        if not os.path.isfile(path):
+            continue
+        cfg = run.config
+        norm = ((cfg["model"]["init_args"].get("model") or {}).get("init_args") or {}).get("norm", "bn")
+        batch = (cfg["data"].get("init_args") or {}).get("batch_size") or 0
+        key = ((norm, -batch), f"{_NORM_NAMES.get(norm, norm)}, batch {batch}", _method_label(cfg["model"]["init_args"]["method"]))
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        per_dom: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            per_dom.setdefault(r["domain"], []).append((1 - float(r["error"]), float(r["entropy"])))
+        cell = acc.setdefault(key, {"a0": [], "a1": [], "e0": [], "e1": []})
+        for vals in per_dom.values():
+            q = max(1, len(vals) // 3)
+            cell["a0"].append(statistics.fmean(a for a, _ in vals[:q]))
+            cell["a1"].append(statistics.fmean(a for a, _ in vals[-q:]))
+            cell["e0"].append(statistics.fmean(e for _, e in vals[:q]))
+            cell["e1"].append(statistics.fmean(e for _, e in vals[-q:]))
+    table = []
+    for (_, setting, method), c in sorted(acc.items(), key=lambda kv: (kv[0][0], _sort_key({"method": kv[0][2]}))):
+        table.append([setting, method, f"{statistics.fmean(c['a0']):.3f}", f"{statistics.fmean(c['a1']):.3f}",
+                      f"{statistics.fmean(c['e0']):.3f}", f"{statistics.fmean(c['e1']):.3f}"])
+    return markdown_table(["setting", "method", "accuracy, first third", "accuracy, last third", "entropy, first third",
+                           "entropy, last third"], table)
+
+
 def seed_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: accuracy averaged over every corruption run of a method and seed, one column per seed."""
     by: dict[str, dict[Any, list[float]]] = {}
@@ -412,8 +505,9 @@ def seed_table(rows: list[dict[str, Any]]) -> str:
     for method, per in by.items():
         vals = [sum(per[s]) / len(per[s]) if per.get(s) else None for s in seeds]
         got = [v for v in vals if v is not None]
-        table.append([method, *("-" if v is None else f"{v:.3f}" for v in vals), f"{sum(got) / len(got):.3f}"])
-    return markdown_table(["method", *(f"seed {s}" for s in seeds), "mean"], table)
+        std = statistics.stdev(got) if len(got) > 1 else 0.0
+        table.append([method, *("-" if v is None else f"{v:.3f}" for v in vals), f"{statistics.fmean(got):.3f} ± {std:.3f}"])
+    return markdown_table(["method", *(f"seed {s}" for s in seeds), "mean ± std"], table)
 
 
 def summary(roots: list[str], out: str | None = None) -> str:
@@ -426,9 +520,17 @@ def summary(roots: list[str], out: str | None = None) -> str:
     rows = summarize(dirs)
     if out:
         plot_accuracy(rows, out)
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    parts = []
+    for setting in settings:
+        sub = [r for r in rows if r["setting"] == setting]
+        head = f"{setting}:\n\n" if len(settings) > 1 else ""
+        parts.append(head + summary_table(sub) + "\n\nMean over the corruptions per seed:\n\n" + seed_table(sub))
     spread = traversal_spread(dirs)
-    return summary_table(rows) + "\n\nMean over the corruptions per seed:\n\n" + seed_table(rows) + ("\n\nEntropy over the 24 traversals (source model, first batch):\n\n" + spread
-                                  if spread.count("\n") > 1 else "")
+    drift = drift_table(dirs)
+    return "\n\n".join(parts) + ("\n\nEntropy over the 24 traversals (source model, first batch):\n\n" + spread
+                                  if spread.count("\n") > 1 else "") + \
+        ("\n\nAlong each corruption's stream (first vs last third of its batches):\n\n" + drift if drift.count("\n") > 1 else "")
 
 
 def plot_accuracy(rows: list[dict[str, Any]], out: str) -> str:

@@ -301,6 +301,18 @@ def test_eval_metrics_match_direct_computation():
     top = scores.argmax(1)
     assert res["test/top1_acc"] == pytest.approx(float(full["one_shot_acc"][torch.arange(10), top].mean()))
     assert res["test/top1_acc_random"] == pytest.approx(float(full["one_shot_acc"].mean()), abs=1e-6)
+    util = full["utility"]
+    rows = torch.arange(10)
+    assert res["test/top1_is_best"] == pytest.approx(float((util[rows, top] >= util.max(1).values).float().mean()))
+    rank = (util > util[rows, top][:, None]).float().mean(1)  # (10,) share of the pool above the top-1
+    assert res["test/top1_utility_rank"] == pytest.approx(float(rank.mean()), abs=1e-6)
+    assert res["test/top1_distinct"] == pytest.approx(len(top.unique()) / 10)
+    # a retriever that ranks by the utility itself: its top-1 is the best, nothing lies above it
+    m.encode_queries = lambda x, reference=False: util  # type: ignore[method-assign]
+    m.encode_pool = lambda pool, chunk=512: torch.eye(60)  # type: ignore[method-assign]
+    best = quiet_trainer().test(m, datamodule=dm, verbose=False)[0]
+    assert best["test/top1_is_best"] == 1.0 and best["test/top1_utility_rank"] == 0.0
+    assert best["test/top1_acc"] == pytest.approx(res["test/top1_acc_oracle"])
 
 
 def test_beam_retrieve_picks_distinct_top_exemplars():

@@ -350,7 +350,7 @@ def test_must_show_pointnav_fewer_violations(pointnav_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="PointNav2D seeds 0-4: safe step 1 violation (seed 1), final J_r -17.19 +/- 2.15; "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="PointNav2D seeds 0-4: safe step 1 violation (seed 1), final J_r -17.19 +/- 2.15; "
                    "fixed multiplier 2 violations, -16.67 +/- 1.65 (docs/methods/safe_meta_rl.md, Not reproduced here)")
 def test_must_show_pointnav_safe_and_better_than_the_fixed_multiplier(pointnav_runs):
     """Our acceptance criterion: zero violations after every step over 5 seeds, and a final reward above the

@@ -224,7 +224,21 @@ def test_bad_inputs(gauss):
         attack(torch.zeros(1, 1, 16, 16), "rotate")
     with pytest.raises(ValueError, match="i_from=60; allowed: 0..49"):
         s.sample(torch.zeros(1, 1, 16, 16), 60, 0)
-    assert set(ATTACKS) >= {"clean", "quantize8", "noise0.01", "noise0.05", "jpeg", "blur", "crop_resize"}
+    assert set(ATTACKS) >= {"clean", "quantize8", "png", "noise0.01", "noise0.05", "jpeg", "jpeg90", "blur", "crop_resize"}
+
+
+def test_saved_file_attacks_are_what_a_saved_image_holds():
+    """PNG is lossless on 8 bits: the round trip through a real PNG file equals ``quantize8`` exactly, and both clip
+    what lies outside [-1, 1] as the pipeline's post-processing does; JPEG loses more at quality 75 than at 90."""
+    g = torch.Generator().manual_seed(0)
+    x = 1.3 * torch.randn(3, 2, 16, 16, generator=g).clamp(-2, 2)  # some pixels outside [-1, 1]
+    png, q8 = attack(x, "png"), attack(x, "quantize8")
+    assert torch.equal(png, q8)
+    inside = x.abs() <= 1
+    assert float((q8 - x)[inside].abs().max()) <= 1 / 127.5 / 2 + 1e-6  # half an 8-bit step
+    assert torch.equal(q8[~inside], x[~inside].sign())  # clipped to the range a saved image has
+    err = {q: float((attack(x.clamp(-1, 1), name) - x.clamp(-1, 1)).abs().mean()) for q, name in ((75, "jpeg"), (90, "jpeg90"))}
+    assert 0 < err[90] < err[75]
 
 
 def _with_key(embedded: ShallowDiffuse, other: ShallowDiffuse) -> ShallowDiffuse:

@@ -162,3 +162,55 @@ def test_bad_inputs():
         EpochHMM().observe_trial(torch.full((5, 6), math.nan), 0.0, "DelayPro")
     with pytest.raises(ValueError, match="obs_dim=6"):
         EpochHMM().observe_trial(torch.zeros(5, 4), 0.0, "DelayPro")
+
+
+def test_state_holding_diagnostics():
+    from lowrank_lit.methods.lowrank_rnn_cl import state_holding
+
+    g = torch.Generator().manual_seed(0)
+    tr = make_trials("MemoryPro", 200, g, 0.0)
+    n, T = tr["epochs"].shape
+    code = torch.stack([tr["theta"].cos(), tr["theta"].sin()], 1)  # (n, 2)
+    basis = torch.randn(2, 16, generator=g)
+    held = (code @ basis)[:, None].expand(n, T, 16).clone()  # the stimulus code, held through every step
+    d = state_holding(held, tr["epochs"], tr["theta"])
+    assert d["hold_distance"] == pytest.approx(0.0, abs=1e-9)
+    assert d["decode_delay"] == 1.0 and d["decode_transfer"] == 1.0
+    # a rotation of the code during the delay: still decodable at the same step, not by the stimulus-step decoder
+    m = tr["epochs"][0] == EPOCHS.index("M")
+    rotated = held.clone()
+    rot = torch.tensor([[0.0, -1.0], [1.0, 0.0]])
+    rotated[:, m] = (code @ rot @ basis)[:, None]
+    d = state_holding(rotated, tr["epochs"], tr["theta"])
+    assert d["hold_distance"] > 0.5
+    assert d["decode_delay"] == 1.0 and d["decode_transfer"] < 0.2
+    # forgotten: the delay state carries no stimulus information
+    lost = held.clone()
+    lost[:, m] = torch.randn(n, 16, generator=g)[:, None]
+    assert state_holding(lost, tr["epochs"], tr["theta"])["decode_delay"] < 0.3
+    assert state_holding(held[:, :40], make_trials("DelayPro", 200, g)["epochs"], tr["theta"]) == {}
+
+
+def test_hold_loss_pulls_the_memory_states_to_the_stimulus_state():
+    """0 for a state held exactly, > 0 for one that moves in the delay, None without a memory epoch; the
+    gradient reaches the memory epoch's component and not the stimulus target (detached)."""
+    from lowrank_lit.methods.lowrank_rnn_cl import WhatHowModule, hold_loss
+
+    with pytest.raises(ValueError, match="hold_weight=-1.0; allowed: >= 0"):
+        WhatHowModule(hold_weight=-1.0)
+    tr = make_trials("MemoryPro", 8, torch.Generator().manual_seed(1))
+    n, T = tr["epochs"].shape
+    held = torch.randn(n, 1, 5).expand(n, T, 5)
+    assert float(hold_loss(held, tr["epochs"])) == pytest.approx(0.0, abs=1e-12)
+    moved = held.clone()
+    moved[:, tr["epochs"][0] == EPOCHS.index("M")] *= 2  # r_t = 2 r_S: ||r_S||^2 / ||r_S||^2 = 1
+    assert float(hold_loss(moved, tr["epochs"])) == pytest.approx(1.0)
+    assert hold_loss(held[:, :40], make_trials("DelayPro", 8, torch.Generator())["epochs"]) is None
+    rnn = ComposedLowRankRNN(n_units=16, max_components=4, seed=0)
+    ctx = torch.nn.functional.one_hot(tr["epochs"].clamp_max(3), 4).float()
+    out, states = rnn(tr["inputs"], ctx, return_states=True)
+    torch.testing.assert_close(out, rnn(tr["inputs"], ctx))
+    torch.testing.assert_close(out, states @ rnn.W_out.T)
+    hold = hold_loss(states, tr["epochs"])
+    hold.backward()
+    assert float(hold) > 0 and float(rnn.U.grad[2].abs().sum()) > 0  # the memory epoch's component (M = index 2)
