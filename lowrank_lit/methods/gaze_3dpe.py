@@ -504,8 +504,20 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
         init = cfg["model"]["init_args"]
         concepts = (init.get("concepts") or {}).get("init_args") or {}
         variant = init.get("variant", "full") + ("" if concepts.get("text_encoder", "minilm") == "minilm" or init.get("variant") in ("cnn", "finetune", "3dgp") else " (random anchors)")
-        vals = run.metrics
+        extras = []
+        prior = os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(str(init.get("encoder_ckpt") or "")))))
+        if prior and prior != "param_encoder_prior" and init.get("variant") != "cnn":
+            extras.append(f"prior {prior.removeprefix('param_encoder_prior_')}")
+        if init.get("margin_quantile") is not None and init.get("variant") in ("3dgp_repel", "full"):
+            extras.append(f"margin q{float(init['margin_quantile']):g}")
+        variant += f" [{', '.join(extras)}]" if extras else ""
+        vals = dict(run.metrics)
         if "test/angle_deg" in vals:
+            first_scam = int(init.get("stage1_epochs", 1))  # the first epoch with L_repel
+            active = [float(r["train/repel_active"]) for r in run.rows() if r.get("train/repel_active") not in (None, "")
+                      and r.get("epoch") not in (None, "") and int(float(r["epoch"])) == first_scam]
+            if active:
+                vals["repel_active_first_epoch"] = sum(active) / len(active)
             out.append({"variant": variant, "seed": cfg.get("seed_everything"), "vals": vals})
     order = {v: i for i, v in enumerate(("cnn", "finetune", "3dgp", "3dgp_repel", "3dgp_align", "full"))}
     return sorted(out, key=lambda r: (order.get(r["variant"], len(order)), r["variant"], str(r["seed"])))
@@ -537,7 +549,13 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
     main = [[v, len(runs), _ms(col(runs, "val/angle_deg")), *(_ms(col(runs, f"test/{t}/angle_deg")) for t in targets),
              _ms(col(runs, "test/angle_deg"))] for v, runs in by.items()]
-    text = markdown_table(["variant", "seeds", "source (val)", *targets, "target mean"], main)
+    head = ["variant", "seeds", "source (val)", *targets, "target mean"]
+    if any(col(runs, "repel_active_first_epoch") for runs in by.values()):  # the runs that logged it
+        for row, runs in zip(main, by.values(), strict=True):
+            xs = col(runs, "repel_active_first_epoch")
+            row.append(f"{100 * sum(xs) / len(xs):.0f} %" if xs else "-")
+        head.append("L_repel active (first SCAM epoch)")
+    text = markdown_table(head, main)
     gap = []
     for v, runs in by.items():
         cells = []

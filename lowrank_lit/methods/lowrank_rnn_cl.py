@@ -445,12 +445,13 @@ METHODS = ("what_how", "oracle", "vanilla")
 
 @register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary")
 def _decode_accuracy(fit: torch.Tensor, theta_fit: torch.Tensor, test: torch.Tensor, theta_test: torch.Tensor,
-                     tol: float = math.pi / 10) -> float:
-    """Least-squares linear decoder ``[r, 1] -> (cos, sin)`` fitted on ``fit (n, N)``; the share of ``test`` trials
-    whose decoded angle is within ``tol`` of the stimulus angle."""
+                     tol: float = math.pi / 10, ridge: float = 1e-3) -> float:
+    """Linear decoder ``[r, 1] -> (cos, sin)`` fitted by ridge regression (``ridge``; plain least squares
+    extrapolates wildly off the fitted states' subspace) on ``fit (n, N)``; the share of ``test`` trials whose
+    decoded angle is within ``tol`` of the stimulus angle."""
     X = torch.cat([fit, torch.ones(len(fit), 1, dtype=fit.dtype)], 1).double()  # (n, N + 1)
     Y = torch.stack([theta_fit.cos(), theta_fit.sin()], 1).double()  # (n, 2)
-    W = torch.linalg.lstsq(X, Y, rcond=None).solution  # (N + 1, 2)
+    W = torch.linalg.solve(X.T @ X + ridge * torch.eye(X.shape[1], dtype=X.dtype), X.T @ Y)  # (N + 1, 2)
     pred = torch.cat([test, torch.ones(len(test), 1, dtype=test.dtype)], 1).double() @ W
     err = torch.atan2(pred[:, 1], pred[:, 0]) - theta_test.double()
     return float((torch.atan2(err.sin(), err.cos()).abs() < tol).float().mean())
@@ -476,8 +477,8 @@ def state_holding(states: torch.Tensor, epochs: torch.Tensor, theta: torch.Tenso
 
     * ``hold_distance``: mean ``||r_M - r_S|| / ||r_S||`` between the rates at the last memory step and at the
       last stimulus step (0: the state is held exactly);
-    * ``decode_delay``: decoding accuracy of the angle from ``r_M`` (decoder fitted on the first half of the
-      trials at the same step, tested on the second);
+    * ``decode_delay``: decoding accuracy of the angle from ``r_M`` (ridge decoder, ridge 1e-3, fitted on the
+      first half of the trials at the same step, tested on the second);
     * ``decode_transfer``: the decoder fitted on ``r_S`` applied to ``r_M``: whether what a component reading the
       state right after the stimulus would read is still there after the delay.
     """

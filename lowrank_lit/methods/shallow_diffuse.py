@@ -381,6 +381,7 @@ class ShallowDiffuseEval(pl.LightningModule):
 
     For every noise: the unwatermarked and the watermarked image from the same x_T (server side); every attack
     of ``attacks`` on both; detection scores. At the end: ``test/psnr`` (watermarked vs unwatermarked),
+    ``test/out_of_range`` (share of watermarked pixels outside [-1, 1], which a saved image clips),
     ``test/flip_rate`` (the denoiser's nearest class changes; MoLRG's Bayes classifier, or ``classifier``),
     ``test/auc_<attack>`` and ``test/tpr1_<attack>`` (TPR at 1 % FPR, torchmetrics), ``test/null_fraction`` (energy of
     the injected change outside the top singular space of ``J_{t*}``, first image) and the rank ratio of ``J_t`` on
@@ -443,6 +444,7 @@ class ShallowDiffuseEval(pl.LightningModule):
             for i in range(len(batch)):
                 row = {"batch": batch_idx, "index": i, "attack": name, "score_marked": float(dw["score"][i]),
                        "score_clean": float(dc["score"][i]), "psnr": float(p[i]),
+                       "out_of_range": float((marked[i].abs() > 1).float().mean()),
                        "flip": float(ca[i] != cb[i]) if ca is not None else float("nan")}
                 if self.p_value:
                     row["p_marked"], row["p_clean"] = float(dw["p_value"][i]), float(dc["p_value"][i])
@@ -468,6 +470,9 @@ class ShallowDiffuseEval(pl.LightningModule):
         from torchmetrics.functional.classification import binary_auroc, binary_roc
 
         self.log("test/psnr", sum(r["psnr"] for r in self.rows if r["attack"] == self.attacks[0]) / max(1, sum(r["attack"] == self.attacks[0] for r in self.rows)))
+        first = [r for r in self.rows if r["attack"] == self.attacks[0]]
+        if first:  # share of watermarked pixels outside [-1, 1]: what a saved 8-bit image clips away
+            self.log("test/out_of_range", sum(r["out_of_range"] for r in first) / len(first))
         flips = [r["flip"] for r in self.rows if r["attack"] == self.attacks[0] and r["flip"] == r["flip"]]
         if flips:
             self.log("test/flip_rate", sum(flips) / len(flips))
@@ -533,12 +538,11 @@ def summary(roots: list[str], out: str | None = None) -> str:
         cfg = run.config["model"]["init_args"]
         vals = run.metrics
         per = {r["attack"]: (float(r["auc"]), float(r["tpr_at_1fpr"])) for r in run.rows("watermark_attacks.csv")}
-        attacks = attacks or list(per)
+        attacks += [a for a in per if a not in attacks]
+        shape = ((run.config.get("data") or {}).get("init_args") or {}).get("shape") or ["?"]
         label = (cfg.get("method", "shallow_diffuse"), cfg["denoiser"]["class_path"].rsplit(".", 1)[-1],
-                 "1.0" if cfg.get("method") == "tree_ring" else str(cfg.get("t_frac", 0.3)))
-        rows.append([*label, _fmt(vals, "test/psnr", ".1f"), _fmt(vals, "test/flip_rate", ".2f"),
-                     _fmt(vals, "test/null_fraction", ".2f"),
-                     *(f"{per[a][0]:.3f} ({per[a][1]:.2f})" if a in per else "-" for a in attacks)])
+                 "1.0" if cfg.get("method") == "tree_ring" else str(cfg.get("t_frac", 0.3)), f"{shape[-1]}")
+        rows.append((label, vals, per))
         rr = run.path / "rank_ratio.csv"
         if rr.is_file() and rr.stat().st_size:
             with open(rr) as f:
@@ -552,6 +556,27 @@ def summary(roots: list[str], out: str | None = None) -> str:
         ax.set_yscale("log")
         ax.legend(fontsize=7)
         save_figure(fig, out)
-    rows.sort()
-    return markdown_table(["method", "denoiser", "t_frac", "PSNR (dB)", "class flips", "null-space fraction",
-                           *(f"AUC (TPR@1%) {a}" for a in attacks)], rows)
+    import statistics
+
+    groups: dict[tuple[str, ...], list[tuple[dict[str, float], dict[str, tuple[float, float]]]]] = {}
+    for label, vals, per in rows:  # runs of one setting (e.g. several seeds) share a row: mean, ± std when > 1
+        groups.setdefault(label, []).append((vals, per))
+
+    def cell(xs: list[float], spec: str) -> str:
+        xs = [x for x in xs if x == x]
+        if not xs:
+            return "-"
+        return format(statistics.fmean(xs), spec) + (f" ± {format(statistics.stdev(xs), spec)}" if len(xs) > 1 else "")
+
+    table = []
+    for label in sorted(groups, key=lambda lb: (lb[0], lb[1], lb[2], int(lb[3]) if lb[3].isdigit() else 0)):
+        runs = groups[label]
+        metric = [cell([v.get(k, float("nan")) for v, _ in runs], spec) for k, spec in
+                  (("test/psnr", ".1f"), ("test/flip_rate", ".2f"), ("test/null_fraction", ".2f"), ("test/out_of_range", ".3f"))]
+        aucs = []
+        for a in attacks:
+            got = [p[a] for _, p in runs if a in p]
+            aucs.append(f"{cell([g[0] for g in got], '.3f')} ({cell([g[1] for g in got], '.2f')})" if got else "-")
+        table.append([*label, len(runs), *metric, *aucs])
+    return markdown_table(["method", "denoiser", "t_frac", "image side", "runs", "PSNR (dB)", "class flips",
+                           "null-space fraction", "pixels outside [-1, 1]", *(f"AUC (TPR@1%) {a}" for a in attacks)], table)

