@@ -189,24 +189,49 @@ def test_bad_inputs_name_the_argument(tmp_path):
 
 # -- must show (card section 4) -----------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_must_show_cross_domain(tmp_path):
-    """Our acceptance criterion over seeds 0-2 at the configs' budget (8192 source images, 5 epochs; one prior
-    encoder pretrained by its config): mean angular error over the two target domains, full < 3DGP-only < CNN."""
+@pytest.fixture(scope="module")
+def cross_domain_runs(tmp_path_factory):
+    """The bounded attempt's setting over seeds 0-2 at the configs' budget (8192 source images, 5 epochs): the prior
+    encoder trained until its held-out landmark error stops improving (param_encoder_prior_plateau.yaml) and the
+    repulsion margin at the 0.7-quantile of the first SCAM batch's similarities; CNN (which does not use the prior),
+    3DGP-only and full. The mean target error of each run."""
     from lowrank_lit.report import last_values
     from tests.helpers import CONFIGS, run_cli
 
-    assert run_cli("fit", "--config", CONFIGS / "gaze_3dpe" / "param_encoder_prior.yaml", "--test_after_fit=false",
-                   run_root=tmp_path) == 0
-    ckpt = tmp_path / "gaze_3dpe" / "param_encoder_prior" / "seed0" / "checkpoints" / "last.ckpt"
+    tmp = tmp_path_factory.mktemp("gaze")
+    assert run_cli("fit", "--config", CONFIGS / "gaze_3dpe" / "param_encoder_prior_plateau.yaml", "--test_after_fit=false",
+                   "--trainer.enable_progress_bar=false", run_root=tmp) == 0
+    ckpt = tmp / "gaze_3dpe" / "param_encoder_prior_plateau" / "seed0" / "checkpoints" / "best.ckpt"
     err: dict[str, list[float]] = {}
     for seed in range(3):
         for variant in ("cnn", "3dgp", "full"):
             assert run_cli("fit", "--config", CONFIGS / "gaze_3dpe" / f"{variant}.yaml", f"--seed_everything={seed}",
-                           f"--model.init_args.encoder_ckpt={ckpt}", f"--run_id=seed{seed}",
-                           "--trainer.enable_progress_bar=false", run_root=tmp_path) == 0
-            vals = last_values(tmp_path / "gaze_3dpe" / variant / f"seed{seed}" / "metrics.csv")
+                           f"--model.init_args.encoder_ckpt={ckpt}", "--model.init_args.margin_quantile=0.7",
+                           f"--run_id=seed{seed}", "--trainer.enable_progress_bar=false", run_root=tmp) == 0
+            vals = last_values(tmp / "gaze_3dpe" / variant / f"seed{seed}" / "metrics.csv")
             err.setdefault(variant, []).append(vals["test/angle_deg"])
-    mean = {k: sum(v) / len(v) for k, v in err.items()}
-    print(mean, err)
-    assert mean["full"] < mean["3dgp"] < mean["cnn"]
+    print(err)
+    return err
+
+
+@pytest.mark.slow
+def test_must_show_cross_domain(cross_domain_runs):
+    """Our acceptance criterion on the mean over seeds 0-2: mean angular error over the two target domains,
+    full < 3DGP-only < CNN."""
+    mean = {k: sum(v) / len(v) for k, v in cross_domain_runs.items()}
+    assert mean["full"] < mean["3dgp"] < mean["cnn"], mean
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "seeds 0-2 (lowrank sweep sweeps/gaze_3dpe_attempt.yaml; CNN from sweeps/gaze_3dpe.yaml): full 17.55 +- 1.28, "
+    "3DGP-only 18.51 +- 0.74, CNN 19.81 +- 1.24; full is 0.96 below 3DGP-only, within one std "
+    "(docs/methods/gaze_3dpe.md, Not reproduced here)"))
+def test_must_show_cross_domain_beyond_one_std(cross_domain_runs):
+    """Each step of full < 3DGP-only < CNN larger than the larger std of the two variants."""
+    import statistics
+
+    m = {k: statistics.fmean(v) for k, v in cross_domain_runs.items()}
+    sd = {k: statistics.stdev(v) for k, v in cross_domain_runs.items()}
+    assert m["3dgp"] - m["full"] > max(sd["3dgp"], sd["full"]), (m, sd)
+    assert m["cnn"] - m["3dgp"] > max(sd["cnn"], sd["3dgp"]), (m, sd)
