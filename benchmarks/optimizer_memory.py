@@ -23,17 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from lowrank_lit.data.text import CharTextDataModule
+from lowrank_lit.launch.estimate import optimizer_state_bytes
 from lowrank_lit.methods.is_lowrank import LowRankAdam
 from lowrank_lit.methods.nanoadam import NanoAdam
 from lowrank_lit.models.lm import llama
 from lowrank_lit.optim import matrix_param_groups
 
 DENSE = ["*embed*", "*lm_head*"]
-
-
-def _state_bytes(opt: torch.optim.Optimizer, params: set[int] | None = None) -> int:
-    return sum(v.numel() * v.element_size() for p, s in opt.state.items() if params is None or id(p) in params
-               for v in s.values() if isinstance(v, torch.Tensor))
 
 
 def main() -> None:
@@ -76,14 +72,14 @@ def main() -> None:
             if i >= 3:
                 times.append(time.perf_counter() - t0)
     ref_model, ref_opt, ref_ids, ref_times = runs["AdamW"]
-    ref_mat, ref_all = _state_bytes(ref_opt, ref_ids), _state_bytes(ref_opt)
+    ref_mat, ref_all = optimizer_state_bytes(ref_opt, ref_ids), optimizer_state_bytes(ref_opt)
     ref_med, ref_mean = statistics.median(ref_times), statistics.mean(ref_times)
     print(f"model: Llama d={args.hidden}, {args.layers} layers, {sum(p.numel() for p in base.parameters()) / 1e6:.2f}M parameters; "
           f"compressed matrix shapes {sorted(shapes)}; {args.steps} timed steps")
     print("| optimizer | matrix state | ratio | all state | ratio | median step | ratio | mean step | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (_, opt, ids, times) in runs.items():
-        mat, tot = _state_bytes(opt, ids), _state_bytes(opt)
+        mat, tot = optimizer_state_bytes(opt, ids), optimizer_state_bytes(opt)
         med, mean = statistics.median(times), statistics.mean(times)
         print(f"| {name} | {mat / 2**20:.2f} MiB | {mat / ref_mat:.3f} | {tot / 2**20:.2f} MiB | {tot / ref_all:.3f} | "
               f"{med * 1e3:.1f} ms | {med / ref_med:.2f} | {mean * 1e3:.1f} ms | {mean / ref_mean:.2f} |")

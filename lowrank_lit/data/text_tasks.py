@@ -104,6 +104,11 @@ CORRUPTIONS = ("shuffle", "insert", "delete")
 _NOISE_CHARS = "abcdefghijklmnopqrstuvwxyz#@%&*"
 
 
+def _copy_rng(split_seed: int, split: str) -> random.Random:
+    """The generator of a split's HyNoIse copies: the same copies on every rank, run and resume."""
+    return random.Random(f"{split_seed}-{split}-copy")
+
+
 def corrupt_text(text: str, rate: float, rng: random.Random, ops: Sequence[str] = CORRUPTIONS) -> str:
     """One corruption drawn uniformly from ``ops`` and applied at ``rate`` (``rate=0``: the text unchanged).
 
@@ -228,7 +233,7 @@ class TemplatedTextDataModule(TensorDataModule):
 
     def noisy_copies(self, texts: list[str], split: str) -> list[str]:
         """The HyNoIse copy of a split's sentences (deterministic in ``split_seed`` and the split)."""
-        rng = random.Random(f"{self.split_seed}-{split}-copy")
+        rng = _copy_rng(self.split_seed, split)
         return [corrupt_text(t, self.noisy_copy_rate, rng) for t in texts]
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
@@ -398,7 +403,7 @@ class QADataModule(TensorDataModule):
 
     def noisy_copies(self, records: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
         """HyNoIse copies of a split's records: context and question corrupted, the answer kept (deterministic)."""
-        rng = random.Random(f"{self.split_seed}-{split}-copy")
+        rng = _copy_rng(self.split_seed, split)
         out = []
         for r in records:
             copy = dict(r)

@@ -29,7 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["MemoryEstimate", "SavedTensors", "estimate", "main", "format_bytes"]
+__all__ = ["MemoryEstimate", "SavedTensors", "estimate", "main", "format_bytes", "optimizer_state_bytes"]
 
 GiB = 1024**3
 
@@ -107,6 +107,11 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: set[int] | None = None) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (of the parameters whose ``id`` is in ``params``, or all)."""
+    return _nbytes(v for p, st in optimizer.state.items() if params is None or id(p) in params for v in st.values())
+
+
 def _instantiate(cfg: Any) -> tuple[pl.LightningModule, pl.LightningDataModule | None]:
     """The config's model (meta device, architecture only) and data module (on the CPU, not set up)."""
     from jsonargparse import ArgumentParser
@@ -158,7 +163,7 @@ def _optimizer_state(optimizers: list[torch.optim.Optimizer], notes: list[str]) 
         try:
             with torch.no_grad():
                 o.step()
-            total += _nbytes(v for st in o.state.values() for v in st.values())
+            total += optimizer_state_bytes(o)
         except (RuntimeError, NotImplementedError):
             total += sum(2 * p.numel() * p.element_size() for p in held)
             notes.append(f"{type(o).__name__}'s step cannot run on the meta device: its state is counted as Adam's (two moments)")
