@@ -176,15 +176,16 @@ class TemplatedTextDataModule(TensorDataModule):
                  domains: list[str] | None = None, corrupt_fraction: float = 0.0, char_rate: float = 0.08,
                  noisy_copy_rate: float | None = None) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers)
-        domains = list(DOMAINS) if domains is None else list(domains)
-        unknown = [d for d in domains if d not in DOMAINS]
+        names = tuple(self.domain_names)
+        domains = list(names) if domains is None else list(domains)
+        unknown = [d for d in domains if d not in names]
         if unknown or not domains:
-            raise ValueError(f"TemplatedTextDataModule: domains={domains!r}; allowed: a non-empty list of {', '.join(DOMAINS)}")
+            raise ValueError(f"{type(self).__name__}: domains={domains!r}; allowed: a non-empty list of {', '.join(names)}")
         if not 0.0 <= corrupt_fraction <= 1.0:
             raise ValueError(f"TemplatedTextDataModule: corrupt_fraction={corrupt_fraction}; allowed: a float in [0, 1]")
         if noisy_copy_rate is not None and not 0.0 < noisy_copy_rate <= 1.0:
             raise ValueError(f"TemplatedTextDataModule: noisy_copy_rate={noisy_copy_rate}; allowed: a float in (0, 1] or null")
-        self.domain_ids = [DOMAINS.index(d) for d in domains]
+        self.domain_ids = [names.index(d) for d in domains]
         self.corrupt_fraction, self.char_rate, self.noisy_copy_rate = corrupt_fraction, char_rate, noisy_copy_rate
         if not 0.0 < heldout_fraction < 1.0:
             raise ValueError(f"TemplatedTextDataModule: heldout_fraction={heldout_fraction}; allowed: a float in (0, 1)")
@@ -200,26 +201,38 @@ class TemplatedTextDataModule(TensorDataModule):
         self.heldout_fraction, self.max_length, self.label_noise = heldout_fraction, max_length, label_noise
         self.vader, self.vader_threshold, self.split_seed = vader, vader_threshold, split_seed
 
-    def word_split(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-        """``(train_words, heldout_words)`` per list (deterministic in ``split_seed``)."""
-        rng = random.Random(self.split_seed)
+    #: word lists every split may use in full (they carry no label)
+    shared_lists: tuple[str, ...] = ("item",)
+
+    def word_lists(self) -> dict[str, Sequence[str]]:
+        """The word lists the examples are drawn from."""
         words = dict(WORDS)
         if self.vader:
             words["positive"], words["negative"] = _vader_adjectives(self.vader_threshold)
+        return words
+
+    def word_split(self) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """``(train_words, heldout_words)`` per list (deterministic in ``split_seed``)."""
+        rng = random.Random(self.split_seed)
+        words = self.word_lists()
         train, test = {}, {}
         for key in sorted(words):
             train[key], test[key] = _split_words(words[key], self.heldout_fraction, rng)
-        test["item"] = list(words["item"])  # items carry no label: any item may appear in the test split
+        for key in self.shared_lists:  # no label rides on these: any of them may appear in the test split
+            test[key] = list(words[key])
         return train, test
+
+    def examples(self, n: int, words: dict[str, Sequence[str]], rng: random.Random) -> list[tuple[str, int, int]]:
+        """``n`` examples ``(text, label, domain)`` of the selected domains from ``words``."""
+        return templated_examples(n, words, rng, self.domain_ids)
 
     def texts(self) -> dict[str, list[tuple[str, int, int]]]:
         """The examples of each split, ``(text, label, domain)``."""
         train_words, test_words = self.word_split()
         rng = random.Random(self.split_seed + 1)
-        d = self.domain_ids
-        splits = {"train": templated_examples(self.n_train, train_words, rng, d),
-                  "val": templated_examples(self.n_val, train_words, rng, d),
-                  "test": templated_examples(self.n_test, test_words, rng, d)}
+        splits = {"train": self.examples(self.n_train, train_words, rng),
+                  "val": self.examples(self.n_val, train_words, rng),
+                  "test": self.examples(self.n_test, test_words, rng)}
         if self.label_noise > 0:
             noisy = []
             for text, label, domain in splits["train"]:

@@ -443,7 +443,6 @@ class CognitiveStreamDataModule(pl.LightningDataModule):
 METHODS = ("what_how", "oracle", "vanilla")
 
 
-@register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary")
 def _decode_accuracy(fit: torch.Tensor, theta_fit: torch.Tensor, test: torch.Tensor, theta_test: torch.Tensor,
                      tol: float = math.pi / 10, ridge: float = 1e-3) -> float:
     """Linear decoder ``[r, 1] -> (cos, sin)`` fitted by ridge regression (``ridge``; plain least squares
@@ -495,6 +494,7 @@ def state_holding(states: torch.Tensor, epochs: torch.Tensor, theta: torch.Tenso
             "decode_transfer": _decode_accuracy(r_s[:half], theta[:half], r_m[half:], theta[half:])}
 
 
+@register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary")
 class WhatHowModule(pl.LightningModule):
     """Continual learning over the task stream of :class:`CognitiveStreamDataModule`.
 
