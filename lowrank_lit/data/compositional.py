@@ -103,7 +103,6 @@ class CompositionalTextDataModule(TemplatedTextDataModule):
     """
 
     domain_names = FAMILIES
-    shared_lists = ("item",)
 
     def __init__(self, *args, agree_mismatch: float = 0.75, max_length: int = 20, n_train: int = 4000,
                  n_test: int = 2000, **kwargs) -> None:

@@ -182,20 +182,20 @@ class TemplatedTextDataModule(TensorDataModule):
         if unknown or not domains:
             raise ValueError(f"{type(self).__name__}: domains={domains!r}; allowed: a non-empty list of {', '.join(names)}")
         if not 0.0 <= corrupt_fraction <= 1.0:
-            raise ValueError(f"TemplatedTextDataModule: corrupt_fraction={corrupt_fraction}; allowed: a float in [0, 1]")
+            raise ValueError(f"{type(self).__name__}: corrupt_fraction={corrupt_fraction}; allowed: a float in [0, 1]")
         if noisy_copy_rate is not None and not 0.0 < noisy_copy_rate <= 1.0:
-            raise ValueError(f"TemplatedTextDataModule: noisy_copy_rate={noisy_copy_rate}; allowed: a float in (0, 1] or null")
+            raise ValueError(f"{type(self).__name__}: noisy_copy_rate={noisy_copy_rate}; allowed: a float in (0, 1] or null")
         self.domain_ids = [names.index(d) for d in domains]
         self.corrupt_fraction, self.char_rate, self.noisy_copy_rate = corrupt_fraction, char_rate, noisy_copy_rate
         if not 0.0 < heldout_fraction < 1.0:
-            raise ValueError(f"TemplatedTextDataModule: heldout_fraction={heldout_fraction}; allowed: a float in (0, 1)")
+            raise ValueError(f"{type(self).__name__}: heldout_fraction={heldout_fraction}; allowed: a float in (0, 1)")
         if not 0.0 <= label_noise < 0.5:
-            raise ValueError(f"TemplatedTextDataModule: label_noise={label_noise}; allowed: a float in [0, 0.5)")
+            raise ValueError(f"{type(self).__name__}: label_noise={label_noise}; allowed: a float in [0, 0.5)")
         for arg, value in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
             if value < 2:
-                raise ValueError(f"TemplatedTextDataModule: {arg}={value}; allowed: an integer >= 2")
+                raise ValueError(f"{type(self).__name__}: {arg}={value}; allowed: an integer >= 2")
         if max_length < 4:
-            raise ValueError(f"TemplatedTextDataModule: max_length={max_length}; allowed: an integer >= 4")
+            raise ValueError(f"{type(self).__name__}: max_length={max_length}; allowed: an integer >= 4")
         self.tokenizer_name = tokenizer
         self.n_train, self.n_val, self.n_test = n_train, n_val, n_test
         self.heldout_fraction, self.max_length, self.label_noise = heldout_fraction, max_length, label_noise

@@ -456,13 +456,18 @@ def _decode_accuracy(fit: torch.Tensor, theta_fit: torch.Tensor, test: torch.Ten
     return float((torch.atan2(err.sin(), err.cos()).abs() < tol).float().mean())
 
 
+def _memory_steps(epochs: torch.Tensor) -> torch.Tensor:
+    """``(T,)`` mask of the memory epoch in trials with epochs ``(n, T)`` (the same sequence in every trial)."""
+    from lowrank_lit.data.cognitive import EPOCHS
+
+    return epochs[0] == EPOCHS.index("M")
+
+
 def hold_loss(states: torch.Tensor, epochs: torch.Tensor) -> torch.Tensor | None:
     """Mean over the memory steps of ``||r_t - r_S||^2 / ||r_S||^2`` for rates ``states (B, T, N)``, ``r_S`` the
     (detached) rates at the last stimulus step; None for trials without a memory epoch (``epochs (B, T)``, the
     same epoch sequence in every trial)."""
-    from lowrank_lit.data.cognitive import EPOCHS
-
-    memory = epochs[0] == EPOCHS.index("M")  # (T,)
+    memory = _memory_steps(epochs)  # (T,)
     if not bool(memory.any()):
         return None
     r_s = states[:, int(memory.nonzero()[0]) - 1].detach()  # (B, N)
@@ -481,9 +486,7 @@ def state_holding(states: torch.Tensor, epochs: torch.Tensor, theta: torch.Tenso
     * ``decode_transfer``: the decoder fitted on ``r_S`` applied to ``r_M``: whether what a component reading the
       state right after the stimulus would read is still there after the delay.
     """
-    from lowrank_lit.data.cognitive import EPOCHS
-
-    m = (epochs[0] == EPOCHS.index("M")).nonzero()
+    m = _memory_steps(epochs).nonzero()
     if len(m) == 0:
         return {}
     s_end, m_end = int(m[0]) - 1, int(m[-1])
@@ -750,14 +753,14 @@ def summary(roots: list[str], out: str | None = None) -> str:
     text += "\n\n" + markdown_table(["method", "runs", f"{trained[0]} drop", "largest forgetting of a trained task",
                                      *(f"{t} zero-shot" for t in unseen)], crit)
     # per seed: zero-shot accuracy of the unseen task(s) and the state-holding diagnostics after the last stage
-    last = f"state/after_{len(trained) - 1}_{trained[-1]}"
+    after = f"after_{len(trained) - 1}_{trained[-1]}"
+    keys = ("hold_distance", "decode_delay", "decode_transfer")
     seed_rows = []
     for m in order:
+        per = sorted(metrics.get(m, []), key=lambda sm: str(sm[0]))
         for t in unseen:
-            per = sorted(metrics.get(m, []), key=lambda sm: str(sm[0]))
-            z = [v.get(f"forget/after_{len(trained) - 1}_{trained[-1]}/{t}", math.nan) for _, v in per]
-            keys = ("hold_distance", "decode_delay", "decode_transfer")
-            diag = [[v.get(f"{last}/{t}/{k}", math.nan) for _, v in per] for k in keys]
+            z = [v.get(f"forget/{after}/{t}", math.nan) for _, v in per]
+            diag = [[v.get(f"state/{after}/{t}/{k}", math.nan) for _, v in per] for k in keys]
             spread = f"{st.fmean(z):.2f} ± {st.stdev(z):.2f}" if len(z) > 1 else f"{z[0]:.2f}"
             seed_rows.append([m, t, " / ".join(f"{x:.2f}" for x in z), spread,
                               *(f"{st.fmean(d):.2f}" if d and not any(math.isnan(x) for x in d) else "-" for d in diag)])

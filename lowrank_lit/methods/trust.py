@@ -322,13 +322,11 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
         snapshots, ents = [], []
         for i, perm in enumerate(self.order):
             if start is not None and i > 0:
-                self.set_state(start)
-                if self.mode == "parallel" and self.optimizer is not None:
-                    self.optimizer.state.clear()
+                self.set_state(start)  # weights and Adam state of the source (parallel) or of the batch start
             ents.append(self._pseudo_label_steps(x, perm))
             snapshots.append(self.get_params())
-        if self.mode == "parallel" and self.optimizer is not None:
-            self.optimizer.state.clear()  # the official reset follows every traversal, the last one included
+        if self.mode == "parallel":
+            self.set_state(start)  # the official reset follows the last traversal too; the merge is loaded below
         self.last_entropies = ents
         if self.merge == "mean":
             merged = merge_mean(snapshots)
@@ -394,6 +392,13 @@ _ORDER = ("source", "source + test-batch BN statistics", "Tent", "TRUST-naive", 
 _NORM_NAMES = {"bn": "BatchNorm", "ln2d": "LayerNorm", "gn": "GroupNorm"}
 
 
+def _setting(cfg: dict[str, Any]) -> tuple[tuple[str, int], str]:
+    """A run's backbone normalisation and batch size: a sort key and the label of its tables."""
+    norm = ((cfg["model"]["init_args"].get("model") or {}).get("init_args") or {}).get("norm", "bn")
+    batch = (cfg["data"].get("init_args") or {}).get("batch_size") or 0
+    return (norm, -batch), f"{_NORM_NAMES.get(norm, norm)}, batch {batch}"
+
+
 def _sort_key(row: dict[str, Any]) -> tuple[int, str]:
     m = row["method"]
     return (_ORDER.index(m) if m in _ORDER else len(_ORDER), m)
@@ -407,11 +412,9 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
         cfg = run.config
         vals = run.metrics
         accs = {k[len("test/acc_"):]: v for k, v in vals.items() if k.startswith("test/acc_") and k != "test/acc_domains"}
-        norm = ((cfg["model"]["init_args"].get("model") or {}).get("init_args") or {}).get("norm", "bn")
-        batch = (cfg["data"].get("init_args") or {}).get("batch_size")
+        key, label = _setting(cfg)
         out.append({"method": _method_label(cfg["model"]["init_args"]["method"]), "seed": cfg.get("seed_everything"),
-                    "accs": accs, "setting": f"{_NORM_NAMES.get(norm, norm)}, batch {batch}",
-                    "setting_key": (norm, -(batch or 0))})
+                    "accs": accs, "setting": label, "setting_key": key})
     return sorted(out, key=lambda r: (r["setting_key"], *_sort_key(r)))
 
 
@@ -472,9 +475,7 @@ def drift_table(run_dirs: list[str]) -> str:
         if not os.path.isfile(path):
             continue
         cfg = run.config
-        norm = ((cfg["model"]["init_args"].get("model") or {}).get("init_args") or {}).get("norm", "bn")
-        batch = (cfg["data"].get("init_args") or {}).get("batch_size") or 0
-        key = ((norm, -batch), f"{_NORM_NAMES.get(norm, norm)}, batch {batch}", _method_label(cfg["model"]["init_args"]["method"]))
+        key = (*_setting(cfg), _method_label(cfg["model"]["init_args"]["method"]))
         with open(path) as f:
             rows = list(csv.DictReader(f))
         per_dom: dict[str, list[tuple[float, float]]] = {}
