@@ -253,12 +253,17 @@ class Summary:
     help: str = ""
 
 
+#: summaries of benchmarks that span several methods: name -> dotted path of the summary function
+BENCHMARK_SUMMARIES = {"peft_bench": "lowrank_lit.peft_bench.summary"}
+
+
 def get_summary(slug: str) -> Summary:
-    """The summary the registration of ``slug`` names, with its options (the function's keyword arguments after
-    ``roots`` and ``out``, with their defaults) and its help (the docstring's first line).
+    """The summary the registration of ``slug`` names (or the benchmark ``slug`` of :data:`BENCHMARK_SUMMARIES`),
+    with its options (the function's keyword arguments after ``roots`` and ``out``, with their defaults) and its
+    help (the docstring's first line).
 
     Raises:
-        KeyError: no method ``slug``, or the method names no summary (both name the ones that do).
+        KeyError: no method or benchmark ``slug``, or the method names no summary (both name the ones that do).
     """
     import importlib
 
@@ -266,11 +271,12 @@ def get_summary(slug: str) -> Summary:
 
     methods = {m.slug: m for m in registry.scan_methods()}
     info = methods.get(slug)
-    if info is None or info.summary is None:
+    path = BENCHMARK_SUMMARIES.get(slug) or (info.summary if info is not None else None)
+    if path is None:
         known = ", ".join(sorted(s for s, m in methods.items() if m.summary)) or "(none)"
         what = "is not a registered method" if info is None else "registers no summary"
-        raise KeyError(f"{slug!r} {what}; methods with a summary: {known}")
-    module, _, name = info.summary.rpartition(".")
+        raise KeyError(f"{slug!r} {what}; methods with a summary: {known}; benchmarks: {', '.join(BENCHMARK_SUMMARIES)}")
+    module, _, name = path.rpartition(".")
     fn = getattr(importlib.import_module(module), name)
     params = list(inspect.signature(fn).parameters.values())[2:]
     options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}

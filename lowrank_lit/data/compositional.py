@@ -97,14 +97,14 @@ class CompositionalTextDataModule(TemplatedTextDataModule):
 
     Args:
         agree_mismatch: share of ``agreement`` sentences whose two nouns differ in number. Default: 0.75.
-        max_length: tokens per sentence incl. [CLS]/[SEP]. Default: 20 (the longest frame is 15 tokens).
+        max_length: tokens per sentence incl. [CLS]/[SEP]. Default: 16 (the longest sentence is 15 tokens).
         n_train: training sentences over all families. Default: 4000.
         n_test: test sentences. Default: 2000.
     """
 
     domain_names = FAMILIES
 
-    def __init__(self, *args, agree_mismatch: float = 0.75, max_length: int = 20, n_train: int = 4000,
+    def __init__(self, *args, agree_mismatch: float = 0.75, max_length: int = 16, n_train: int = 4000,
                  n_test: int = 2000, **kwargs) -> None:
         if not 0.0 <= agree_mismatch <= 1.0:
             raise ValueError(f"CompositionalTextDataModule: agree_mismatch={agree_mismatch}; allowed: a float in [0, 1]")

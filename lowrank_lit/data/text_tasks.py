@@ -166,6 +166,9 @@ class TemplatedTextDataModule(TensorDataModule):
         noisy_copy_rate: also serve a corrupted copy of every train and test sentence at this rate (HyNoIse's
             discrete noise): batches then carry ``(noisy_ids, noisy_mask)`` after the domain; None: no copy.
             Default: None.
+        probe_rate: also serve a second corrupted copy of every test sentence at this rate (a routing probe, e.g.
+            at the training corruption rate ``char_rate``): test batches then carry ``(probe_ids, probe_mask)``
+            after the noisy copy; needs ``noisy_copy_rate``. None: no probe copy. Default: None.
     """
 
     domain_names = DOMAINS
@@ -174,7 +177,7 @@ class TemplatedTextDataModule(TensorDataModule):
                  heldout_fraction: float = 0.4, max_length: int = 12, label_noise: float = 0.0, vader: bool = False,
                  vader_threshold: float = 2.0, split_seed: int = 0, batch_size: int = 32, num_workers: int = 0,
                  domains: list[str] | None = None, corrupt_fraction: float = 0.0, char_rate: float = 0.08,
-                 noisy_copy_rate: float | None = None) -> None:
+                 noisy_copy_rate: float | None = None, probe_rate: float | None = None) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers)
         names = tuple(self.domain_names)
         domains = list(names) if domains is None else list(domains)
@@ -185,6 +188,10 @@ class TemplatedTextDataModule(TensorDataModule):
             raise ValueError(f"{type(self).__name__}: corrupt_fraction={corrupt_fraction}; allowed: a float in [0, 1]")
         if noisy_copy_rate is not None and not 0.0 < noisy_copy_rate <= 1.0:
             raise ValueError(f"{type(self).__name__}: noisy_copy_rate={noisy_copy_rate}; allowed: a float in (0, 1] or null")
+        if probe_rate is not None and (noisy_copy_rate is None or not 0.0 < probe_rate <= 1.0):
+            raise ValueError(f"{type(self).__name__}: probe_rate={probe_rate} with noisy_copy_rate={noisy_copy_rate}; "
+                             "allowed: a float in (0, 1] together with a noisy_copy_rate, or null")
+        self.probe_rate = probe_rate
         self.domain_ids = [names.index(d) for d in domains]
         self.corrupt_fraction, self.char_rate, self.noisy_copy_rate = corrupt_fraction, char_rate, noisy_copy_rate
         if not 0.0 < heldout_fraction < 1.0:
@@ -244,10 +251,11 @@ class TemplatedTextDataModule(TensorDataModule):
                                for t, y, dom in splits["train"]]
         return splits
 
-    def noisy_copies(self, texts: list[str], split: str) -> list[str]:
-        """The HyNoIse copy of a split's sentences (deterministic in ``split_seed`` and the split)."""
-        rng = _copy_rng(self.split_seed, split)
-        return [corrupt_text(t, self.noisy_copy_rate, rng) for t in texts]
+    def noisy_copies(self, texts: list[str], split: str, rate: float | None = None) -> list[str]:
+        """The HyNoIse copy of a split's sentences (deterministic in ``split_seed`` and the split); ``rate``
+        (default ``noisy_copy_rate``) another rate, drawn from its own generator."""
+        rng = _copy_rng(self.split_seed, split if rate is None else f"{split}-{rate}")
+        return [corrupt_text(t, self.noisy_copy_rate if rate is None else rate, rng) for t in texts]
 
     def make_splits(self) -> dict[str, Sequence[torch.Tensor] | None]:
         from lowrank_lit.hub import load_tokenizer
@@ -260,6 +268,9 @@ class TemplatedTextDataModule(TensorDataModule):
             out[name] = (ids, mask, torch.tensor([e[1] for e in examples]), torch.tensor([e[2] for e in examples]))
             if self.noisy_copy_rate is not None:
                 out[name] = (*out[name], *_encode(tokenizer, self.noisy_copies(texts, name), self.max_length))
+                if name == "test" and self.probe_rate is not None:
+                    probe = self.noisy_copies(texts, name, rate=self.probe_rate)
+                    out[name] = (*out[name], *_encode(tokenizer, probe, self.max_length))
         return out
 
 

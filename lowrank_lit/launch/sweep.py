@@ -13,7 +13,9 @@ W&B ``method``  trials
 
 Each trial is a ``lowrank fit`` subprocess with the trial's overrides as ``--key=value`` flags
 (exactly what W&B's ``${args}`` macro passes), its own run directory and, unless ``--no-wandb``,
-an offline W&B run grouped by the study name. The objective is the sweep's ``metric.name`` read
+an offline W&B run grouped by the study name. A swept ``config`` key layers whole config files on the
+command's (``--config=<file>``, first among the overrides, so the other swept keys still win): one sweep can
+then compare methods that differ in more than one key (``sweeps/peft_bench.yaml``). The objective is the sweep's ``metric.name`` read
 from the trial's ``metrics.csv`` (its last logged value, as W&B's run summary). A trial that
 crashes is recorded as failed and the sweep goes on.
 
@@ -60,6 +62,8 @@ METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
 DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "categorical")
 ARGS_MACRO = "${args}"
+#: the swept key whose values are config files layered on the command's (``--config=<file>``)
+CONFIG_KEY = "config"
 
 
 class SweepError(ValueError):
@@ -170,6 +174,14 @@ def _check_param(path: Path, key: str, p: Any, method: str) -> None:
     where = f"parameters.{key}"
     if not isinstance(p, dict):
         raise _fail(path, f"{where} must be a mapping with values/value or distribution/min/max")
+    if key == CONFIG_KEY:
+        files = p.get("values", [p.get("value")] if "value" in p else None)
+        if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
+            raise _fail(path, f"{where}: values must be a non-empty list of config files")
+        missing = [f for f in files if not Path(f).is_file()]
+        if missing:
+            raise _fail(path, f"{where}: config file {missing[0]!r} does not exist")
+        return
     if "values" in p:
         if not isinstance(p["values"], list) or not p["values"]:
             raise _fail(path, f"{where}.values must be a non-empty list")
@@ -207,8 +219,9 @@ def format_value(value: Any) -> str:
 
 
 def overrides_to_args(overrides: dict[str, Any]) -> list[str]:
-    """``{"model.init_args.lr": 0.01}`` -> ``["--model.init_args.lr=0.01"]``."""
-    return [f"--{k}={format_value(v)}" for k, v in overrides.items()]
+    """``{"model.init_args.lr": 0.01}`` -> ``["--model.init_args.lr=0.01"]``; a ``config`` file comes first."""
+    ordered = sorted(overrides.items(), key=lambda kv: kv[0] != CONFIG_KEY)
+    return [f"--{k}={format_value(v)}" for k, v in ordered]
 
 
 #: top-level keys of ``lowrank fit`` (tests/test_sweeps.py keeps this equal to the real parser's)
@@ -255,6 +268,8 @@ def static_check(spec: SweepSpec) -> list[str]:
         composed = _merge(composed, yaml.safe_load(Path(f).read_text()) or {})
     notes = []
     for key in spec.parameters:
+        if key == CONFIG_KEY:
+            continue  # files checked by load_sweep; their keys by check_keys (the real parser)
         parts = key.split(".")
         if parts[0] not in TOP_LEVEL_KEYS:
             match = closest(parts[0], TOP_LEVEL_KEYS)
@@ -400,7 +415,10 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
     args = [sys.executable, "-m", "lowrank_lit", *spec.fit_args]
     if wandb:
         args += ["--config", str(_preset("wandb.yaml"))]
-    args += [*extra_args, *overrides_to_args(params), "--run_root", str(run_root), "--run_id", run_id]
+    layered = {k: v for k, v in params.items() if k == CONFIG_KEY}  # a swept config file, then the command line's
+    rest = {k: v for k, v in params.items() if k != CONFIG_KEY}  # own flags, then the other swept keys
+    args += [*overrides_to_args(layered), *extra_args, *overrides_to_args(rest), "--run_root", str(run_root),
+             "--run_id", run_id]
     if resume_run_id is not None:
         args += ["--ckpt_path", "last"]
     env = {**os.environ, "WANDB_RUN_GROUP": study_name}

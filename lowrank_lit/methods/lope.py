@@ -106,7 +106,8 @@ class LoPEStageCallback(Callback):
     The stage follows ``trainer.global_step`` (stage I before ``stage1_steps``, stage II after), re-applied at
     every training batch, so a resumed run continues in the right stage. In the test loop it logs the per-expert
     routing mass (routing unmasked) on clean inputs and, when the batches carry HyNoIse copies, on noisy ones:
-    ``test/poison_share_clean``, ``test/poison_share_noisy``, ``test/expert_mass_{clean,noisy}_<i>``.
+    ``test/poison_share_clean``, ``test/poison_share_noisy``, ``test/expert_mass_{clean,noisy}_<i>``; a probe copy
+    (``TemplatedTextDataModule(probe_rate=...)``) adds ``test/poison_share_probe`` and ``test/expert_mass_probe_<i>``.
 
     Args:
         stage1_steps: steps of stage I. Default: 150 (the CPU experiment: 150 + 150).
@@ -171,7 +172,7 @@ class LoPEStageCallback(Callback):
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._inference_mode(pl_module)
-        self._mass = {"clean": [], "noisy": []}  # per batch: (routing mass * tokens (N,), tokens)
+        self._mass = {"clean": [], "noisy": [], "probe": []}  # per batch: (routing mass * tokens (N,), tokens)
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -183,6 +184,8 @@ class LoPEStageCallback(Callback):
             inputs = {"clean": (batch[0], batch[1])}
             if len(batch) >= 6:
                 inputs["noisy"] = (batch[4], batch[5])
+            if len(batch) >= 8:  # TemplatedTextDataModule(probe_rate=...): the probe at e.g. the training rate
+                inputs["probe"] = (batch[6], batch[7])
         for kind, (ids, mask) in inputs.items():
             tokens = mask.sum().float()
             self._mass[kind].append((poison_share(pl_module, ids, mask) * tokens, tokens))
@@ -217,7 +220,7 @@ def _label(cfg: dict[str, Any]) -> str:
     return f"LoPE ({experts}+{args.get('n_poison', 1)}, {inference})"
 
 
-COLUMNS = ("test/acc", "test/poison_share_clean", "test/poison_share_noisy")
+COLUMNS = ("test/acc", "test/poison_share_clean", "test/poison_share_noisy", "test/poison_share_probe")
 
 
 def summary(roots: list[str], out: str | None = None) -> str:

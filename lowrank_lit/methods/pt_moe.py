@@ -61,19 +61,24 @@ class DecomposedMoEPrompt(PromptModule):
         init_text: task description for the SVD init; None: random ``N(0, init_std^2)`` factors
             (identical for every expert). Default: None.
         init_std: random-init standard deviation. Default: 0.02.
+        balance_weight: weight of a Switch-style load-balancing loss on the router (:meth:`PromptRouter.balance_loss`)
+            added to the task loss in training. Not in the paper (which has no balancing term): a beyond-paper
+            ablation against router collapse; 0 is the paper's method. Default: 0.0.
     """
 
     method = "ptmoe"
 
     def __init__(self, n_experts: int = 2, prompt_len: int = 16, rank: int = 13, hidden: int = 384,
                  noise_std: float = 0.01, routing: str = "selective_prob", init_text: str | None = None,
-                 init_std: float = 0.02) -> None:
+                 init_std: float = 0.02, balance_weight: float = 0.0) -> None:
         super().__init__(hidden)
         check_arg(n_experts >= 1, f"DecomposedMoEPrompt: n_experts={n_experts}; allowed: an integer >= 1")
         check_arg(prompt_len >= 1, f"DecomposedMoEPrompt: prompt_len={prompt_len}; allowed: an integer >= 1")
         check_arg(1 <= rank <= min(prompt_len, hidden),
                f"DecomposedMoEPrompt: rank={rank}; allowed: 1 <= rank <= min(prompt_len, hidden) = {min(prompt_len, hidden)}")
         check_arg(noise_std >= 0, f"DecomposedMoEPrompt: noise_std={noise_std}; allowed: a float >= 0")
+        check_arg(balance_weight >= 0, f"DecomposedMoEPrompt: balance_weight={balance_weight}; allowed: a float >= 0")
+        self.balance_weight = balance_weight
         check_arg(routing in ROUTING_MODES, f"DecomposedMoEPrompt: routing={routing!r}; allowed: {', '.join(ROUTING_MODES)}")
         self.n_experts, self.prompt_len, self.rank, self.init_text = n_experts, prompt_len, rank, init_text
         A = torch.randn(prompt_len, rank) * init_std
@@ -91,6 +96,8 @@ class DecomposedMoEPrompt(PromptModule):
     def input_prompt(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         w = self.router(embeds, mask)  # (b, N)
         self.last_routing = w.detach()
+        use = self.training and self.balance_weight > 0
+        self.aux_loss = self.balance_weight * self.router.balance_loss() if use else None
         A = torch.einsum("bn,ntr->btr", w, self.prompt_A)  # (b, T, R): sum_i w_i A_i
         return (A @ self.prompt_B).to(embeds.dtype)  # (b, T, H)
 

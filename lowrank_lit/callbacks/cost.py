@@ -1,0 +1,62 @@
+"""The cost of a run's training steps: median step time and peak memory, logged once at the end of training.
+
+Compose it with ``--trainer.callbacks+=lowrank_lit.callbacks.StepCost`` (or ``callbacks+:`` in a config); the
+PEFT benchmark configs do, so ``lowrank summarize peft_bench`` can show each method's step time as a ratio to
+prompt tuning measured in the same sweep, and its peak memory.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+__all__ = ["StepCost", "peak_memory_mb"]
+
+
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """Peak memory in MiB: CUDA's peak allocated memory on a CUDA device, else the process's peak resident set."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+class StepCost(Callback):
+    """Logs ``cost/step_s`` (median wall time of a training batch, forward to optimizer step, after ``skip``
+    warm-up batches) and ``cost/peak_mem_mb`` (:func:`peak_memory_mb`) when training ends.
+
+    Args:
+        skip: first training batches left out of the median (allocation, first-call overheads). Default: 5.
+    """
+
+    def __init__(self, skip: int = 5) -> None:
+        if skip < 0:
+            raise ValueError(f"StepCost: skip={skip}; allowed: an integer >= 0")
+        self.skip = skip
+        self._times: list[float] = []
+        self._start: float | None = None
+        self._seen = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._start is not None:
+            self._seen += 1
+            if self._seen > self.skip:
+                self._times.append(time.perf_counter() - self._start)
+        self._start = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        values = {"cost/peak_mem_mb": peak_memory_mb(pl_module.device)}
+        if self._times:
+            values["cost/step_s"] = statistics.median(self._times)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)

@@ -1,0 +1,146 @@
+"""The PEFT benchmark: every prompt / adapter method of the framework on one task a frozen encoder cannot solve.
+
+The task is :class:`~lowrank_lit.data.compositional.CompositionalTextDataModule` (four families whose labels
+follow word order, negation scope, parity and agreement; held-out words in the test split) on all six layers of
+the pretrained all-MiniLM-L6-v2. One config per method in ``configs/peft_bench/``; one sweep runs them all over
+three seeds; :func:`summary` turns the runs into the table and the accuracy-vs-parameters plot::
+
+    lowrank sweep sweeps/peft_bench.yaml --no-wandb
+    lowrank summarize peft_bench runs/peft_bench --out peft_bench.png
+
+Rows ending in ``_noisy`` train on the noisy variant (10 % flipped labels, 20 % corrupted sentences; LoPE's
+setting) and are scored on the same clean test split. Rows marked ``[beyond paper]`` add something no paper
+here has (the load-balancing loss on PT-MoE's router).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from lowrank_lit.data.compositional import FAMILIES
+from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
+
+__all__ = ["LABELS", "collect", "summary", "method_of"]
+
+#: config name -> row label, in table order
+LABELS: dict[str, str] = {
+    "head": "head-only",
+    "full_ft": "full fine-tuning",
+    "peft_pt": "peft PromptTuning (16)",
+    "pt": "PT (16, ours)",
+    "deep_pt": "deep PT (1 per layer)",
+    "ptv2": "P-tuning v2 (4 per layer)",
+    "smop": "SMoP (2 x 8)",
+    "ptmoe_n1": "PT-MoE N=1",
+    "ptmoe": "PT-MoE N=2",
+    "ptmoe_balanced": "PT-MoE N=4 + balance loss [beyond paper]",
+    "capt": "CaPT",
+    "capt_instance": "CaPT instance-only",
+    "peft_lora": "peft LoRA (r=8)",
+    "lora": "LoRA (r=8, ours)",
+    "lora_noisy": "LoRA (r=4), noisy",
+    "hydralora_noisy": "HydraLoRA (3 B's), noisy",
+    "lope_noisy": "LoPE (mask, K=all), noisy",
+    "lope_nomask_noisy": "LoPE (no mask), noisy",
+    "lope_k0_noisy": "LoPE (mask, K=0), noisy",
+}
+ACC = ("test/acc", *(f"test/acc_{f}" for f in FAMILIES))
+ROUTING = ("test/routing_nmi", "test/routing_expert_purity", "test/routing_experts_used", "test/routing_purity")
+NOISE = ("test/poison_share_clean", "test/poison_share_noisy", "test/poison_share_probe")
+
+
+def method_of(run_config: dict[str, Any]) -> str:
+    """The benchmark method of a run: its experiment name after ``peft_bench/`` (else the whole name)."""
+    name = str(run_config.get("experiment") or "?")
+    return name.split("/", 1)[1] if name.startswith("peft_bench/") else name
+
+
+def trainable(metrics: dict[str, float]) -> int:
+    """Trainable parameters a method adds to the frozen encoder: prompt + adapters + trained backbone weights
+    (the 770-parameter head, common to all, left out)."""
+    return int(sum(metrics.get(f"params/{k}", 0.0) for k in ("prompt", "adapter", "backbone")))
+
+
+def collect(roots: Sequence[str]) -> dict[str, list[dict[str, float]]]:
+    """Finished benchmark runs under ``roots`` (those with ``test/acc``), grouped by method, in :data:`LABELS` order
+    (unknown methods last)."""
+    groups: dict[str, list[dict[str, float]]] = {}
+    for run in read_runs(roots, "metrics.csv"):
+        if "test/acc" in run.metrics:
+            groups.setdefault(method_of(run.config), []).append(run.metrics)
+    if not groups:
+        raise FileNotFoundError(f"no finished peft_bench run (with test/acc) under {', '.join(roots)}")
+    order = list(LABELS)
+    return dict(sorted(groups.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
+
+
+def _mean_std(xs: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    if not xs:
+        return "-"
+    mean = fmt.format(scale * statistics.fmean(xs))
+    return f"{mean} ± {fmt.format(scale * statistics.stdev(xs))}" if len(xs) > 1 else mean
+
+
+def _values(runs: list[dict[str, float]], key: str) -> list[float]:
+    return [r[key] for r in runs if key in r]
+
+
+def summary(roots: list[str], out: str | None = None) -> str:
+    """The PEFT benchmark table (accuracy per family, trainable parameters, step time / PT, peak memory) and the
+    routing / noise table; ``--out``: accuracy vs trainable parameters (log x), every method labelled."""
+    groups = collect(roots)
+    pt_steps = _values(groups.get("pt", []), "cost/step_s")
+    pt_step = statistics.median(pt_steps) if pt_steps else None
+    header = ["method", "runs", "trainable params", *(k.split("/")[1].replace("acc_", "") for k in ACC[1:]),
+              "overall", "step time / PT", "peak mem (MB)"]
+    rows = []
+    for name, runs in groups.items():
+        steps = _values(runs, "cost/step_s")
+        ratio = f"{statistics.median(steps) / pt_step:.2f}" if steps and pt_step else "-"
+        mem = _values(runs, "cost/peak_mem_mb")
+        rows.append([LABELS.get(name, name), len(runs), f"{trainable(runs[0]):,}",
+                     *(_mean_std(_values(runs, k), 100.0) for k in ACC[1:]), _mean_std(_values(runs, "test/acc"), 100.0),
+                     ratio, f"{statistics.median(mem):.0f}" if mem else "-"])
+    text = markdown_table(header, rows)
+    routed = {n: r for n, r in groups.items() if any("test/routing_nmi" in m for m in r)}
+    if routed:
+        rows = []
+        for name, runs in routed.items():
+            collapsed = sum(int(m.get("test/routing_collapsed", 0.0)) for m in runs)
+            rows.append([LABELS.get(name, name), len(runs), *(_mean_std(_values(runs, k), 1.0, "{:.2f}") for k in ROUTING),
+                         f"{collapsed} of {len(runs)}"])
+        text += "\n\nRouting (test split; NMI and expert purity are what a collapsed router cannot reach; purity is the "
+        text += "old per-domain measure, 1.0 under collapse too):\n\n"
+        text += markdown_table(["method", "runs", "NMI(domain, expert)", "expert purity", "experts used",
+                                "domain purity", "collapsed runs"], rows)
+    noisy = {n: r for n, r in groups.items() if any("test/poison_share_clean" in m for m in r)}
+    if noisy:
+        rows = [[LABELS.get(n, n), len(r), *(_mean_std(_values(r, k), 1.0, "{:.3f}") for k in NOISE)]
+                for n, r in noisy.items()]
+        text += "\n\nLoPE's poisoning expert B_D, routing share (unmasked) on the clean test split, its 5 % HyNoIse copy and "
+        text += "its copy at the training corruption rate (8 %):\n\n"
+        text += markdown_table(["method", "runs", "B_D share clean", "B_D share HyNoIse 5 %", "B_D share probe 8 %"], rows)
+    if out:
+        _plot(groups, out)
+    return text
+
+
+def _plot(groups: dict[str, list[dict[str, float]]], out: str) -> None:
+    fig, ax = new_figure(figsize=(9.0, 5.5))
+    for name, runs in groups.items():
+        accs = [100.0 * a for a in _values(runs, "test/acc")]
+        x = max(trainable(runs[0]), 1)
+        std = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        noisy = name.endswith("_noisy")
+        ax.errorbar([x], [statistics.fmean(accs)], yerr=[std], fmt="s" if noisy else "o", capsize=3,
+                    color="tab:red" if noisy else "tab:blue")
+        ax.annotate(LABELS.get(name, name), (x, statistics.fmean(accs)), textcoords="offset points", xytext=(4, 3),
+                    fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("trainable parameters (head excluded; log scale)")
+    ax.set_ylabel("test accuracy, all families (%)")
+    ax.set_title("PEFT benchmark: compositional text, all-MiniLM-L6-v2 (6 layers); squares: noisy training data")
+    ax.grid(True, which="both", alpha=0.3)
+    save_figure(fig, out)
