@@ -16,80 +16,22 @@ import time
 
 import torch
 
-from lowrank_lit.data.compositional import FAMILIES, CompositionalTextDataModule
-from lowrank_lit.models.text import SentenceEncoder
+from lowrank_lit.data.compositional import FAMILIES
+from lowrank_lit.peft_bench import fine_tune, linear_probe
 from lowrank_lit.report import markdown_table
-
-
-def _per_family(pred: torch.Tensor, y: torch.Tensor, d: torch.Tensor) -> dict[str, float]:
-    out = {f: float((pred[d == i] == y[d == i]).float().mean()) for i, f in enumerate(FAMILIES)}
-    out["overall"] = float((pred == y).float().mean())
-    return out
-
-
-def _batches(dm: CompositionalTextDataModule, split: str):
-    return dm.train_dataloader() if split == "train" else dm.test_dataloader()
-
-
-def head_only(seed: int) -> dict[str, float]:
-    from sklearn.linear_model import LogisticRegression
-
-    enc = SentenceEncoder(trainable=False).eval()
-    dm = CompositionalTextDataModule(split_seed=seed)
-    dm.setup("fit")
-    dm.setup("test")
-
-    def feats(split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        xs, ys, ds = [], [], []
-        with torch.no_grad():
-            for ids, mask, y, d in _batches(dm, split):
-                xs.append(enc({"input_ids": ids, "attention_mask": mask}))  # (B, 384)
-                ys.append(y)
-                ds.append(d)
-        return torch.cat(xs), torch.cat(ys), torch.cat(ds)
-
-    xtr, ytr, _ = feats("train")
-    xte, yte, dte = feats("test")
-    clf = LogisticRegression(max_iter=5000, C=1.0).fit(xtr.numpy(), ytr.numpy())
-    return _per_family(torch.as_tensor(clf.predict(xte.numpy())), yte, dte)
-
-
-def fine_tune(seed: int, epochs: int, lr: float) -> dict[str, float]:
-    torch.manual_seed(seed)
-    enc = SentenceEncoder(trainable=True)
-    head = torch.nn.Linear(enc.hidden_size, 2)
-    dm = CompositionalTextDataModule(split_seed=seed)
-    dm.setup("fit")
-    dm.setup("test")
-    opt = torch.optim.AdamW(list(enc.parameters()) + list(head.parameters()), lr=lr)
-    for _ in range(epochs):
-        enc.train()
-        for ids, mask, y, _d in dm.train_dataloader():
-            loss = torch.nn.functional.cross_entropy(head(enc({"input_ids": ids, "attention_mask": mask})), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    enc.eval()
-    preds, ys, ds = [], [], []
-    with torch.no_grad():
-        for ids, mask, y, d in dm.test_dataloader():
-            preds.append(head(enc({"input_ids": ids, "attention_mask": mask})).argmax(1))
-            ys.append(y)
-            ds.append(d)
-    return _per_family(torch.cat(preds), torch.cat(ys), torch.cat(ds))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
     torch.set_num_threads(1)
     res: dict[str, list[dict[str, float]]] = {"head-only (frozen)": [], "full fine-tuning": []}
     for seed in args.seeds:
         t0 = time.time()
-        res["head-only (frozen)"].append(head_only(seed))
+        res["head-only (frozen)"].append(linear_probe(seed))
         res["full fine-tuning"].append(fine_tune(seed, args.epochs, args.lr))
         print(f"seed {seed}: {time.time() - t0:.0f} s", flush=True)
     cols = [*FAMILIES, "overall"]

@@ -186,10 +186,13 @@ def test_a_swept_config_comes_first_and_a_missing_one_is_named(tmp_path):
 def test_the_benchmark_sweep_covers_every_config_and_every_table_row():
     from lowrank_lit.peft_bench import LABELS
 
-    spec = yaml.safe_load((ROOT / "sweeps/peft_bench.yaml").read_text())
-    swept = [p.rsplit("/", 1)[1][:-5] for p in spec["parameters"]["config"]["values"]]
+    swept = []
+    for sweep in ("peft_bench", "peft_bench_ablations"):  # the paper rows, the beyond-paper row
+        spec = yaml.safe_load((ROOT / f"sweeps/{sweep}.yaml").read_text())
+        swept += [p.rsplit("/", 1)[1][:-5] for p in spec["parameters"]["config"]["values"]]
+        assert spec["parameters"]["seed_everything"]["values"] == [0, 1, 2]
     assert sorted(swept) == sorted(p.stem for p in (ROOT / "configs/peft_bench").glob("*.yaml")) == sorted(LABELS)
-    assert spec["parameters"]["seed_everything"]["values"] == [0, 1, 2]
+    assert [n for n in swept if "beyond paper" in LABELS[n]] == swept[-1:] == ["ptmoe_balanced"]
     for name in swept:  # each config names its own experiment: the summary's row key
         cfg = yaml.safe_load((ROOT / f"configs/peft_bench/{name}.yaml").read_text())
         assert cfg["experiment"] == f"peft_bench/{name}"

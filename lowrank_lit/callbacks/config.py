@@ -36,7 +36,8 @@ class RunConfigCallback(SaveConfigCallback):
             if isinstance(logger, CSVLogger):
                 continue
             logger.log_hyperparams(config)
-            if isinstance(logger, WandbLogger) and os.path.isfile(config_path):
+            if isinstance(logger, WandbLogger) and os.path.isfile(config_path) and os.path.isdir(logger.experiment.dir):
+                # (WANDB_MODE=disabled gives a run whose files/ folder does not exist: nothing to upload)
                 # files in the run's files/ folder are uploaded (now, or by `wandb sync`); W&B keeps its
                 # own files/config.yaml, hence the other name
                 shutil.copyfile(config_path, os.path.join(logger.experiment.dir, WANDB_CONFIG_FILE))

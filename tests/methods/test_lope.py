@@ -13,7 +13,7 @@ from lowrank_lit.data.text_tasks import TemplatedTextDataModule, corrupt_text
 from lowrank_lit.methods.lope import HyNoIse, LoPEStageCallback, hynoise_embedding
 from lowrank_lit.models.text import PromptTunedClassifier
 from lowrank_lit.nn.lora import AsymmetricLoRALinear
-from tests.helpers import CONFIGS, quiet_trainer, run_cli, run_dirs, text_batch
+from tests.helpers import quiet_trainer, text_batch
 
 
 def _model(**adapter) -> PromptTunedClassifier:
@@ -205,40 +205,41 @@ def test_bad_inputs():
 
 
 # ------------------------------------------------------------------------------------ must show
+LOPE_CELLS = ("lope_noisy", "lope_nomask_noisy", "hydralora_noisy", "lora_noisy")
+
+
 @pytest.fixture(scope="module")
-def lope_runs(tmp_path_factory):
-    """LoPE and HydraLoRA over seeds 0-2: the last metrics of each run."""
-    from lowrank_lit.report import last_values
+def bench(tmp_path_factory):
+    """LoPE, its no-mask ablation, HydraLoRA and LoRA trained on the PEFT benchmark's noisy variant, seeds 0-2
+    (``$LOWRANK_PEFT_BENCH_RUNS`` reuses a sweep's)."""
+    from tests.helpers import peft_bench_runs
 
-    tmp = tmp_path_factory.mktemp("lope")
-    res: dict[str, list[dict[str, float]]] = {}
-    for name in ("lope", "hydralora"):
-        for seed in (0, 1, 2):
-            root = tmp / name / str(seed)
-            assert run_cli("fit", "--config", CONFIGS / "lope" / f"{name}.yaml", f"--seed_everything={seed}",
-                           "--trainer.enable_progress_bar=false", run_root=root) == 0
-            res.setdefault(name, []).append(last_values(run_dirs(root)[0] / "metrics.csv"))
-    return res
+    return peft_bench_runs(LOPE_CELLS, tmp_path_factory.mktemp("peft_bench"))
+
+
+def _acc(bench: dict[str, list[dict[str, float]]], name: str) -> float:
+    return statistics.fmean(r["test/acc"] for r in bench[name])
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "seeds 0-2 (docs/methods/lope.md): the poisoning expert's routing share clean / noisy 0.461 / 0.445, "
-    "0.408 / 0.385, 0.385 / 0.376: lower on noisy inputs on every seed"))
-def test_must_show_lope_routes_noisy_inputs_to_the_poisoning_expert(lope_runs):
-    """The paper's mechanism: B_D takes a larger routing share on noisy than on clean inputs, in every run."""
-    for r in lope_runs["lope"]:
-        assert r["test/poison_share_noisy"] > r["test/poison_share_clean"]
+def test_must_show_lope_beats_hydralora_beats_lora(bench):
+    """The paper's claim on clean test data after noisy training (3 seeds): LoPE >= HydraLoRA >= LoRA."""
+    means = {k: _acc(bench, k) for k in bench}
+    assert means["lope_noisy"] >= means["hydralora_noisy"] >= means["lora_noisy"], means
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "seeds 0-2 (docs/methods/lope.md): LoPE (mask, K = all) 94.4 +- 1.4 against HydraLoRA 96.8 +- 1.9, below "
-    "HydraLoRA minus one std (94.9); masking B_D costs 1.7 points against keeping it"))
-def test_must_show_lope_accuracy(lope_runs):
-    """LoPE's clean accuracy no lower than HydraLoRA's minus one std."""
-    acc = {k: [r["test/acc"] for r in v] for k, v in lope_runs.items()}
-    assert statistics.fmean(acc["lope"]) >= statistics.fmean(acc["hydralora"]) - statistics.stdev(acc["hydralora"])
+def test_must_show_lope_mask_beats_no_mask(bench):
+    """Masking the poisoning expert at inference helps: LoPE (mask) > LoPE (no mask)."""
+    assert _acc(bench, "lope_noisy") > _acc(bench, "lope_nomask_noisy")
+
+
+@pytest.mark.slow
+def test_must_show_lope_routes_noisy_inputs_to_the_poisoning_expert(bench):
+    """The paper's mechanism: B_D takes a larger routing share on inputs corrupted at the training rate (8 %) than
+    on clean inputs, in every run (the 5 % HyNoIse copy is reported beside it in the table)."""
+    shares = [(r["test/poison_share_clean"], r["test/poison_share_probe"]) for r in bench["lope_noisy"]]
+    assert all(probe > clean for clean, probe in shares), shares
 
 
 # ----------------------------------------------------------------------------------------- LoPE on a causal LM
