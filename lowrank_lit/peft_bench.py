@@ -184,7 +184,7 @@ def linear_probe(split_seed: int) -> dict[str, float]:
     return per_family(torch.as_tensor(clf.predict(xte.numpy())), yte, dte)
 
 
-def fine_tune(seed: int, epochs: int = 10, lr: float = 1e-4) -> dict[str, float]:
+def fine_tune(seed: int, epochs: int = 10, lr: float = 5e-5) -> dict[str, float]:
     """The adaptation bound: every encoder weight and a linear head trained with AdamW (batch 32, ``epochs`` passes,
     data split ``seed``, init seed ``seed``), scored per family on the test split."""
     from lowrank_lit.models.text import SentenceEncoder
