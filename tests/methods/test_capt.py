@@ -245,12 +245,18 @@ def _mean(res: dict[str, list[dict[str, float]]], name: str, key: str = "test/ac
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "PEFT benchmark, seed 0 (docs/peft_bench.md; seeds 1-2 are the nightly's): CaPT 70.1 against deep PT 75.7; "
+    "CaPT stays at chance on agreement (49.8) where deep PT reaches 67.2"))
 def test_must_show_capt_beats_deep_pt(bench):
     """The paper's claim on the PEFT benchmark (3 seeds): CaPT >= deep prompt tuning with one token per layer."""
     assert _mean(bench, "capt") >= _mean(bench, "deep_pt"), {k: _mean(bench, k) for k in bench}
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "PEFT benchmark, seed 0 (docs/peft_bench.md): CaPT 70.1 against P-tuning v2 86.2 (16 points below, not 2); "
+    "P-tuning v2 solves parity and agreement (98.4, 99.4), CaPT does not (86.0, 49.8)"))
 def test_must_show_capt_near_ptv2_with_a_quarter_of_its_parameters(bench):
     """CaPT within 2 points of P-tuning v2 (4 tokens per layer) with 1/4 of its parameters."""
     assert bench["capt"][0]["params/prompt"] * 4 == bench["ptv2"][0]["params/prompt"]
@@ -264,6 +270,9 @@ def test_must_show_capt_instance_only_beats_head_only(bench):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "PEFT benchmark, seed 0 (docs/peft_bench.md): CaPT's capsule gets 0.221 of the real tokens' attention, "
+    "PT's largest slot 0.320"))
 def test_must_show_capt_anchor_share(bench):
     """The capsule is an attention anchor: its share of real tokens' attention > the largest slot share of PT."""
     assert _mean(bench, "capt", "test/anchor_share") > _mean(bench, "pt", "test/max_slot_share")

