@@ -131,18 +131,22 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
 
 def _plot(groups: dict[str, list[dict[str, float]]], out: str) -> None:
-    fig, ax = new_figure(figsize=(9.0, 5.5))
-    for name, runs in groups.items():
+    from matplotlib.lines import Line2D
+
+    fig, ax = new_figure(figsize=(11.0, 5.5))
+    keys = []
+    for i, (name, runs) in enumerate(groups.items(), start=1):
         accs = [100.0 * a for a in _values(runs, "test/acc")]
-        x = max(trainable(runs[0]), 1)
-        std = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        x, y = max(trainable(runs[0]), 1), statistics.fmean(accs)
         noisy = name.endswith("_noisy")
-        ax.errorbar([x], [statistics.fmean(accs)], yerr=[std], fmt="s" if noisy else "o", capsize=3,
-                    color="tab:red" if noisy else "tab:blue")
-        ax.annotate(LABELS.get(name, name), (x, statistics.fmean(accs)), textcoords="offset points", xytext=(4, 3),
-                    fontsize=7)
+        ax.errorbar([x], [y], yerr=[statistics.stdev(accs) if len(accs) > 1 else 0.0], fmt="s" if noisy else "o",
+                    capsize=3, color="tab:red" if noisy else "tab:blue")
+        ax.annotate(str(i), (x, y), textcoords="offset points", xytext=(4, 2), fontsize=7)  # the legend names it
+        keys.append(Line2D([], [], ls="", marker="s" if noisy else "o", color="tab:red" if noisy else "tab:blue",
+                           label=f"{i}  {LABELS.get(name, name)}"))
+    ax.legend(handles=keys, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7, frameon=False)
     ax.set_xscale("log")
-    ax.set_xlabel("trainable parameters (head excluded; log scale)")
+    ax.set_xlabel("trainable parameters (head excluded; 0 drawn at 1; log scale)")
     ax.set_ylabel("test accuracy, all families (%)")
     ax.set_title("PEFT benchmark: compositional text, all-MiniLM-L6-v2 (6 layers); squares: noisy training data")
     ax.grid(True, which="both", alpha=0.3)
