@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lowrank_lit.data.compositional import FAMILIES, CompositionalTextDataModule
-from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.report import markdown_table, mean_std, new_figure, read_runs, save_figure
 
 __all__ = ["LABELS", "collect", "summary", "method_of", "linear_probe", "fine_tune", "per_family"]
 
@@ -78,13 +78,6 @@ def collect(roots: Sequence[str]) -> dict[str, list[dict[str, float]]]:
     return dict(sorted(groups.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
 
 
-def _mean_std(xs: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
-    if not xs:
-        return "-"
-    mean = fmt.format(scale * statistics.fmean(xs))
-    return f"{mean} ± {fmt.format(scale * statistics.stdev(xs))}" if len(xs) > 1 else mean
-
-
 def _values(runs: list[dict[str, float]], key: str) -> list[float]:
     return [r[key] for r in runs if key in r]
 
@@ -103,7 +96,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
         ratio = f"{statistics.median(steps) / pt_step:.2f}" if steps and pt_step else "-"
         mem = _values(runs, "cost/peak_mem_mb")
         rows.append([LABELS.get(name, name), len(runs), f"{trainable(runs[0]):,}",
-                     *(_mean_std(_values(runs, k), 100.0) for k in ACC[1:]), _mean_std(_values(runs, "test/acc"), 100.0),
+                     *(mean_std(_values(runs, k), scale=100.0) for k in ACC[1:]), mean_std(_values(runs, "test/acc"), scale=100.0),
                      ratio, f"{statistics.median(mem):.0f}" if mem else "-"])
     text = markdown_table(header, rows)
     # routed methods with more than one expert (one expert is collapsed by construction)
@@ -112,7 +105,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
         rows = []
         for name, runs in routed.items():
             collapsed = sum(int(m.get("test/routing_collapsed", 0.0)) for m in runs)
-            rows.append([LABELS.get(name, name), len(runs), *(_mean_std(_values(runs, k), 1.0, "{:.2f}") for k in ROUTING),
+            rows.append([LABELS.get(name, name), len(runs), *(mean_std(_values(runs, k), ".2f") for k in ROUTING),
                          f"{collapsed} of {len(runs)}"])
         text += "\n\nRouting (test split; NMI and expert purity are what a collapsed router cannot reach; purity is the "
         text += "old per-domain measure, 1.0 under collapse too):\n\n"
@@ -120,7 +113,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
                                 "domain purity", "collapsed runs"], rows)
     noisy = {n: r for n, r in groups.items() if any("test/poison_share_clean" in m for m in r)}
     if noisy:
-        rows = [[LABELS.get(n, n), len(r), *(_mean_std(_values(r, k), 1.0, "{:.3f}") for k in NOISE)]
+        rows = [[LABELS.get(n, n), len(r), *(mean_std(_values(r, k), ".3f") for k in NOISE)]
                 for n, r in noisy.items()]
         text += "\n\nLoPE's poisoning expert B_D, routing share (unmasked) on the clean test split, its 5 % HyNoIse copy and "
         text += "its copy at the training corruption rate (8 %):\n\n"
@@ -161,6 +154,16 @@ def per_family(pred: torch.Tensor, y: torch.Tensor, domain: torch.Tensor) -> dic
     return out
 
 
+def _outputs(fn: Any, loader: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fn({"input_ids", "attention_mask"})`` over a loader's batches, with their labels and domains, concatenated."""
+    outs, ys, ds = [], [], []
+    for ids, mask, y, d in loader:
+        outs.append(fn({"input_ids": ids, "attention_mask": mask}))
+        ys.append(y)
+        ds.append(d)
+    return torch.cat(outs), torch.cat(ys), torch.cat(ds)
+
+
 def linear_probe(split_seed: int) -> dict[str, float]:
     """The frozen encoder's bound: logistic regression (scikit-learn) on the frozen all-MiniLM-L6-v2 sentence
     embeddings (all six layers, mean pooling) of the training split, scored per family on the test split."""
@@ -173,17 +176,9 @@ def linear_probe(split_seed: int) -> dict[str, float]:
     dm.setup("fit")
     dm.setup("test")
 
-    def feats(loader: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        xs, ys, ds = [], [], []
-        with torch.no_grad():
-            for ids, mask, y, d in loader:
-                xs.append(enc({"input_ids": ids, "attention_mask": mask}))  # (B, 384)
-                ys.append(y)
-                ds.append(d)
-        return torch.cat(xs), torch.cat(ys), torch.cat(ds)
-
-    xtr, ytr, _ = feats(dm.train_dataloader())
-    xte, yte, dte = feats(dm.test_dataloader())
+    with torch.no_grad():
+        xtr, ytr, _ = _outputs(enc, dm.train_dataloader())  # (n, 384) sentence embeddings
+        xte, yte, dte = _outputs(enc, dm.test_dataloader())
     clf = LogisticRegression(max_iter=5000, C=1.0).fit(xtr.numpy(), ytr.numpy())
     return per_family(torch.as_tensor(clf.predict(xte.numpy())), yte, dte)
 
@@ -208,10 +203,6 @@ def fine_tune(seed: int, epochs: int = 10, lr: float = 5e-5) -> dict[str, float]
             loss.backward()
             opt.step()
     enc.eval()
-    preds, ys, ds = [], [], []
     with torch.no_grad():
-        for ids, mask, y, d in dm.test_dataloader():
-            preds.append(head(enc({"input_ids": ids, "attention_mask": mask})).argmax(1))
-            ys.append(y)
-            ds.append(d)
-    return per_family(torch.cat(preds), torch.cat(ys), torch.cat(ds))
+        preds, ys, ds = _outputs(lambda batch: head(enc(batch)).argmax(1), dm.test_dataloader())
+    return per_family(preds, ys, ds)

@@ -17,6 +17,7 @@ import csv
 import glob
 import inspect
 import os
+import statistics
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any
 
 __all__ = [
     "run_directory", "may_write", "artifact_path", "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
-    "markdown_table", "class_label", "new_figure", "save_figure",
+    "markdown_table", "mean_std", "class_label", "new_figure", "save_figure",
     "Summary", "get_summary", "summarize_main",
 ]
 
@@ -207,6 +208,15 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def mean_std(xs: Sequence[float], spec: str = ".1f", scale: float = 1.0) -> str:
+    """``"mean ± std"`` of ``xs`` times ``scale``, each formatted with ``spec``; the mean alone for one value, ``-``
+    for none (the cells of every summary table)."""
+    if not xs:
+        return "-"
+    mean = format(scale * statistics.fmean(xs), spec)
+    return f"{mean} ± {format(scale * statistics.stdev(xs), spec)}" if len(xs) > 1 else mean
 
 
 def class_label(entry: dict[str, Any]) -> str:

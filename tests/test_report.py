@@ -74,3 +74,12 @@ def test_artifact_path_stays_in_the_run_directory(tmp_path):
             artifact_path(trainer, bad)
     assert save_rows(trainer, [{"a": 1, "b": 2}], "t.csv") == str(tmp_path / "run" / "t.csv")
     assert (tmp_path / "run" / "t.csv").read_text().splitlines() == ["a,b", "1,2"]
+
+
+def test_mean_std_cells():
+    from lowrank_lit.report import mean_std
+
+    assert mean_std([]) == "-"
+    assert mean_std([0.5]) == "0.5"
+    assert mean_std([0.5, 0.7], scale=100.0) == "60.0 ± 14.1"
+    assert mean_std([1.0, 2.0, 3.0], ".3f") == "2.000 ± 1.000"

@@ -57,6 +57,7 @@ from lowrank_lit.report import (
     log_image,
     markdown_table,
     may_write,
+    mean_std,
     new_figure,
     read_runs,
     save_figure,
@@ -581,10 +582,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
         raise FileNotFoundError(f"no finished run with test/regret_t50 under {', '.join(roots)}")
 
     def fmt(by_key: dict[str, float]) -> str:
-        xs = list(by_key.values())
-        if not xs:
-            return "-"
-        return f"{statistics.fmean(xs):.3f}" + (f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else "")
+        return mean_std(list(by_key.values()), ".3f")
 
     table = [[t, torso, name, len(c["t50"]), fmt(c["t50"]), fmt(c["t200"])]
              for (t, torso, name), c in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2].startswith("exact"), kv[0][2]))]

@@ -40,6 +40,7 @@ from lowrank_lit.report import (
     log_image,
     markdown_table,
     may_write,
+    mean_std,
     new_figure,
     read_runs,
     save_figure,
@@ -524,9 +525,7 @@ def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:
 
 
 def _ms(xs: list[float]) -> str:
-    import statistics as st
-
-    return f"{st.fmean(xs):.2f} ± {st.stdev(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
+    return mean_std(xs, ".2f")
 
 
 def summary(roots: list[str], out: str | None = None) -> str:

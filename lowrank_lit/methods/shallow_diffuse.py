@@ -47,6 +47,7 @@ from lowrank_lit.report import (
     log_image,
     markdown_table,
     may_write,
+    mean_std,
     new_figure,
     read_runs,
     save_figure,
@@ -556,17 +557,13 @@ def summary(roots: list[str], out: str | None = None) -> str:
         ax.set_yscale("log")
         ax.legend(fontsize=7)
         save_figure(fig, out)
-    import statistics
 
     groups: dict[tuple[str, ...], list[tuple[dict[str, float], dict[str, tuple[float, float]]]]] = {}
     for label, vals, per in rows:  # runs of one setting (e.g. several seeds) share a row: mean, ± std when > 1
         groups.setdefault(label, []).append((vals, per))
 
     def cell(xs: list[float], spec: str) -> str:
-        xs = [x for x in xs if x == x]
-        if not xs:
-            return "-"
-        return format(statistics.fmean(xs), spec) + (f" ± {format(statistics.stdev(xs), spec)}" if len(xs) > 1 else "")
+        return mean_std([x for x in xs if x == x], spec)  # NaN (a metric the run lacks) left out
 
     table = []
     for label in sorted(groups, key=lambda lb: (lb[0], lb[1], lb[2], int(lb[3]) if lb[3].isdigit() else 0)):

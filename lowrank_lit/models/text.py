@@ -32,7 +32,7 @@ from lowrank_lit.hub import MINILM, from_pretrained, load_tokenizer, quiet_trans
 from lowrank_lit.metrics import purity
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
 from lowrank_lit.optim import linear_warmup
-from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.report import markdown_table, mean_std, new_figure, read_runs, save_figure
 
 __all__ = [
     "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "apply_peft", "is_adapter_name", "find_layers", "keep_first_layers", "disable_dropout",
@@ -319,10 +319,10 @@ class PromptedBackbone(nn.Module):
             raise ValueError(f"PromptedBackbone: attention_mask shape {tuple(attention_mask.shape)} does not match "
                              f"input_ids shape {tuple(input_ids.shape)}")
         n = self.n_prompt
+        front = n + self.n_external  # slots in front of the sentence: ours, then a peft wrapper's own
         b, s = input_ids.shape
-        if self.max_positions is not None and n + self.n_external + s > self.max_positions:
-            n = n + self.n_external
-            raise ValueError(f"PromptedBackbone: {n} prompt tokens + sequence length {s} = {n + s} exceeds the backbone's "
+        if self.max_positions is not None and front + s > self.max_positions:
+            raise ValueError(f"PromptedBackbone: {front} prompt tokens + sequence length {s} = {front + s} exceeds the backbone's "
                              f"max_position_embeddings={self.max_positions}; shorten the inputs (max_length) or the prompt")
         embeds = self.word_embeddings(input_ids)  # (b, s, H)
         if embed_noise is not None:
@@ -349,9 +349,8 @@ class PromptedBackbone(nn.Module):
             out = self.backbone(**kwargs)
         finally:
             self._ctx = None
-        cut = n + self.n_external
-        hidden = out.last_hidden_state[:, cut:] if getattr(out, "last_hidden_state", None) is not None else None
-        logits = out.logits[:, cut:] if getattr(out, "logits", None) is not None else None
+        hidden = out.last_hidden_state[:, front:] if getattr(out, "last_hidden_state", None) is not None else None
+        logits = out.logits[:, front:] if getattr(out, "logits", None) is not None else None
         return PromptedOutput(hidden, logits, getattr(out, "loss", None),
                               out.attentions if output_attentions else None, mask, routing)
 
@@ -840,10 +839,8 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
             return "-"
         if key.startswith("params/"):
             return f"{int(xs[0]):,}"
-        scale = 100.0 if key.startswith("test/acc") or key.endswith("_acc") else 1.0
-        fmt = "{:.1f}" if scale == 100.0 else "{:.3f}"
-        mean = fmt.format(scale * statistics.fmean(xs))
-        return f"{mean} ± {fmt.format(scale * statistics.stdev(xs))}" if len(xs) > 1 else mean
+        accuracy = key.startswith("test/acc") or key.endswith("_acc")
+        return mean_std(xs, ".1f", 100.0) if accuracy else mean_std(xs, ".3f")
 
     header = [first, "runs", *(p.split("/", 1)[1] + " params" for p in params), *columns]
     rows = [[name, len(runs), *(cell(runs, p) for p in params), *(cell(runs, c) for c in columns)]
