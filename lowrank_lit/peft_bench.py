@@ -166,11 +166,13 @@ def _outputs(fn: Any, loader: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def linear_probe(split_seed: int) -> dict[str, float]:
     """The frozen encoder's bound: logistic regression (scikit-learn) on the frozen all-MiniLM-L6-v2 sentence
-    embeddings (all six layers, mean pooling) of the training split, scored per family on the test split."""
+    embeddings (all six layers, mean pooling) of the training split, scored per family on the test split.
+    Seeded by ``split_seed`` (the training loader's shuffle order), so the same call gives the same numbers."""
     from sklearn.linear_model import LogisticRegression
 
     from lowrank_lit.models.text import SentenceEncoder
 
+    torch.manual_seed(split_seed)
     enc = SentenceEncoder(trainable=False).eval()
     dm = CompositionalTextDataModule(split_seed=split_seed)
     dm.setup("fit")

@@ -114,21 +114,32 @@ def test_bad_inputs():
 
 
 # ------------------------------------------------------------------------------------ must show
-@pytest.mark.slow
-def test_must_show_frozen_features_fail_and_fine_tuning_solves_it():
-    """The benchmark's reason to exist, over data split and init seeds 0-2 on the real all-MiniLM-L6-v2 (all six
-    layers): a logistic-regression head on frozen features stays <= 85 % on the hardest families and <= 90 %
-    overall, and full fine-tuning (10 epochs, AdamW 5e-5) reaches >= 95 % overall and on every family, so the gap
-    adaptation can close is real. ``python benchmarks/compositional_ceiling.py`` prints the same table (~60 min)."""
+def _mean(runs: list[dict[str, float]], key: str) -> float:
     import statistics
 
-    from lowrank_lit.peft_bench import fine_tune, linear_probe
+    return statistics.fmean(r[key] for r in runs)
+
+
+@pytest.mark.slow
+def test_must_show_frozen_features_fail():
+    """The benchmark's reason to exist, lower side, over data splits 0-2 on the real all-MiniLM-L6-v2 (all six
+    layers): a logistic-regression head on frozen features stays <= 85 % on the two hardest families and <= 90 %
+    overall. ``python benchmarks/compositional_ceiling.py --methods head`` prints the same table (~1.5 min)."""
+    from lowrank_lit.peft_bench import linear_probe
 
     probe = [linear_probe(seed) for seed in (0, 1, 2)]
+    hardest = sorted(FAMILIES, key=lambda f: _mean(probe, f))[:2]
+    assert all(_mean(probe, f) <= 0.85 for f in hardest), probe
+    assert _mean(probe, "overall") <= 0.90, probe
+
+
+@pytest.mark.slow
+def test_must_show_fine_tuning_solves_it():
+    """The upper side, over data split and init seeds 0-2: full fine-tuning (10 epochs, AdamW 5e-5) reaches >= 95 %
+    overall and on every family, so the gap adaptation can close is real.
+    ``python benchmarks/compositional_ceiling.py --methods fine_tune`` prints the same table (~40 min)."""
+    from lowrank_lit.peft_bench import fine_tune
+
     tuned = [fine_tune(seed) for seed in (0, 1, 2)]
-    mean = lambda runs, key: statistics.fmean(r[key] for r in runs)  # noqa: E731
-    hardest = sorted(FAMILIES, key=lambda f: mean(probe, f))[:2]
-    assert all(mean(probe, f) <= 0.85 for f in hardest), probe
-    assert mean(probe, "overall") <= 0.90, probe
-    assert mean(tuned, "overall") >= 0.95, tuned
-    assert all(mean(tuned, f) >= 0.95 for f in FAMILIES), tuned
+    assert _mean(tuned, "overall") >= 0.95, tuned
+    assert all(_mean(tuned, f) >= 0.95 for f in FAMILIES), tuned
