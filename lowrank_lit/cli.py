@@ -23,6 +23,7 @@ W&B files (offline unless an API key is configured or ``WANDB_MODE=online``).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -184,7 +185,23 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 
 
 def main(args: Sequence[str] | None = None) -> int:
-    """Entry point of ``lowrank`` and ``python -m lowrank_lit``; returns the exit status."""
+    """Entry point of ``lowrank`` and ``python -m lowrank_lit``; returns the exit status.
+
+    Output piped into a reader that stops early (``lowrank list | head -1``) ends the command quietly with the
+    shell's status for a closed pipe (141), not a ``BrokenPipeError`` traceback.
+    """
+    try:
+        code = _main(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader is gone: point stdout at /dev/null so the interpreter's own flush at exit cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + int(signal.SIGPIPE)
+
+
+def _main(args: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if args is None else args)
     if not argv or argv[0] in ("-h", "--help"):
         print(_TOP_HELP, end="")

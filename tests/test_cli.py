@@ -259,3 +259,19 @@ def test_log_lines_when_stdout_is_not_a_terminal(tmp_path):
         assert key in lines[0]
     assert "left ~" in lines[0]
     assert "it/s" not in proc.stdout  # no Rich bar (its lines end in a rate)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["list"], ["list", "--markdown"], ["--help"], ["sweep", "sweeps/q3r.yaml", "--check"]],
+    ids=["list", "list-markdown", "help", "sweep-check"],
+)
+def test_output_into_a_closed_pipe_ends_quietly(argv):
+    """``lowrank list | head -1``: the reader closes the pipe before the command writes; no traceback, status 141."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lowrank_lit", *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

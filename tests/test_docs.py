@@ -93,3 +93,38 @@ def test_docs_speak_of_claims_and_criteria(page):
     text = page.read_text()
     hits = [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in _IN_HOUSE.finditer(text)]
     assert hits == [], "say 'the paper's claim' or 'our acceptance criterion' instead"
+
+
+def _yaml_blocks() -> list[tuple[str, int, str]]:
+    """Every fenced ```yaml block of the docs: (page, first line number, text)."""
+    blocks = []
+    for page in DOCS:
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if re.match(r"^\s*```ya?ml\s*$", lines[i]):
+                j = i + 1
+                while j < len(lines) and not _FENCE.match(lines[j]):
+                    j += 1
+                blocks.append((str(page.relative_to(ROOT)), i + 1, "\n".join(lines[i + 1 : j])))
+                i = j
+            i += 1
+    return blocks
+
+
+@pytest.mark.parametrize("page,line,text", _yaml_blocks(), ids=lambda v: v if isinstance(v, str) and "\n" not in v else None)
+def test_every_yaml_block_parses(page, line, text, tmp_path, monkeypatch):
+    """A user copies a YAML example into a file: it must be valid YAML (a sweep's ``command: [${env}, ...]`` is not),
+    and a whole sweep file (one with ``program:``) passes ``lowrank sweep --check``."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        pytest.fail(f"{page}:{line}: the yaml block does not parse: {exc}")
+    if isinstance(doc, dict) and "program" in doc:
+        from lowrank_lit.launch.sweep import load_sweep, static_check
+
+        monkeypatch.chdir(ROOT)
+        (tmp_path / "example.yaml").write_text(text)
+        static_check(load_sweep(tmp_path / "example.yaml"))
