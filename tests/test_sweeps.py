@@ -321,3 +321,27 @@ def test_orphaned_running_trial_is_rerun(tmp_path):
     assert study.trials[0].user_attrs["interrupted"] is True
     assert sorted(r.params["model.init_args.optimizer.init_args.lr"] for r in results) == [0.001, 0.002]
     assert all(r.state == "COMPLETE" for r in results)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--trainer.max_epochs=5"], ["--trainer.max_epochs", "5"], ["--trainer=configs/x.yaml"]],
+    ids=["equals", "space", "parent"],
+)
+def test_command_line_flag_on_a_swept_key_is_refused(tmp_path, flags):
+    """``lowrank sweep s.yaml --trainer.max_epochs=5`` when the file sweeps trainer.max_epochs: the swept value would
+    win in every trial, so the sweep refuses in one line naming the flag and the swept key, and runs nothing."""
+    path = _sweep(tmp_path, "trainer.max_epochs:\n  values: [1, 2]\n")
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "sweep", str(path), "--run-root", str(tmp_path / "r"),
+                           "--no-wandb", *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"--{flags[0][2:].split('=')[0]} sets 'trainer.max_epochs'" in lines[0] and "values [1, 2]" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_command_line_flag_on_an_unswept_key_is_passed_on(tmp_path):
+    from lowrank_lit.launch.sweep import flag_clashes
+
+    spec = load_sweep(_sweep(tmp_path, "trainer.max_epochs:\n  values: [1, 2]\n"))
+    assert flag_clashes(spec, ["--trainer.max_steps=5", "--config", "callbacks/wandb.yaml", "--trainer.max_epochsx=1"]) == []

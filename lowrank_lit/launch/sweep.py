@@ -48,6 +48,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,15 @@ class SweepSpec:
                     lo, hi = int(lo), int(hi)
                 out += [{key: lo}, {key: hi}]
         return out
+
+
+def _describe(p: dict[str, Any]) -> str:
+    """One swept parameter in a few words: ``values [1, 2]`` or ``log_uniform_values 0.0001..0.01``."""
+    if "values" in p:
+        return f"values {p['values']}"
+    if "value" in p:
+        return f"value {p['value']!r}"
+    return f"{p.get('distribution', 'uniform')} {p.get('min')}..{p.get('max')}"
 
 
 def _choices(p: dict[str, Any]) -> list[Any]:
@@ -401,6 +411,24 @@ class _Stop:
         self.name = self.name or name
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)  # a second Ctrl+C reaches the trial too: it aborts at once
+
+
+def flag_clashes(spec: SweepSpec, extra_args: Sequence[str]) -> list[tuple[str, str]]:
+    """The flags given to ``lowrank sweep`` that set a swept key (or a key above or below one): ``(flag, swept key)``.
+
+    Each trial passes the swept values after the command line's flags, so such a flag would be silently overridden;
+    the sweep refuses instead (:func:`main`)."""
+    clashes = []
+    for tok in extra_args:
+        if not tok.startswith("--") or tok.startswith("--config"):
+            continue
+        flag = tok[2:].split("=", 1)[0]
+        for key in spec.parameters:
+            if key == CONFIG_KEY:
+                continue
+            if flag == key or flag.startswith(key + ".") or key.startswith(flag + "."):
+                clashes.append((flag, key))
+    return clashes
 
 
 def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_name: str, run_root: Path,
@@ -728,6 +756,13 @@ def main(argv: list[str]) -> int:
     opts, extra = parser.parse_known_args(argv)
     try:
         spec = load_sweep(opts.sweep_file)
+        clashes = flag_clashes(spec, extra)
+        if clashes:
+            flag, key = clashes[0]
+            raise SweepError(
+                f"--{flag} sets {key!r}, which {spec.path} sweeps ({_describe(spec.parameters[key])}); the swept "
+                f"value would win in every trial. Drop the flag, or fix the key in the sweep file (`{key}: {{value: ...}}`)"
+            )
         notes = static_check(spec)
         if not opts.check or opts.parse:
             check_keys(spec)
