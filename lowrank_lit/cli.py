@@ -9,7 +9,7 @@ Training subcommands are Lightning's own (:class:`~lowrank_lit.launch.lightning_
 
 and a few of ours, which do not import Lightning until they need it::
 
-    lowrank list                       registered methods, their kind, paper and configs
+    lowrank list [SLUG]                registered methods (or one method's configs: command, needs, first)
     lowrank sweep SWEEP.yaml           a W&B sweep file, offline with optuna
     lowrank submit --config C.yaml     an sbatch script
     lowrank summarize SLUG RUN_ROOT    a method's result table from its runs
@@ -36,6 +36,7 @@ from lowrank_lit.launch.checks import (
     interrupted_message,
     is_rank_zero,
     one_line_error,
+    wrong_command,
 )
 
 __all__ = ["main", "methods_markdown", "method_pages_markdown", "COMMANDS", "LIGHTNING_COMMANDS"]
@@ -51,7 +52,8 @@ Lightning commands (LightningCLI; `lowrank <command> --help` lists every option)
   predict    run prediction (--ckpt_path)
 
 lowrank_lit commands:
-  list       show the registered methods, their kind, paper and configs (--markdown: README table)
+  list       show the registered methods, their kind, paper and configs (--markdown: README table);
+             lowrank list <slug>: each config's command, what it needs and what must run first
   sweep      run a W&B sweep file offline with optuna: lowrank sweep sweeps/<slug>.yaml [--n-trials N]
   submit     write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4
   summarize  a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]
@@ -91,12 +93,15 @@ def method_pages_markdown() -> str:
 
 
 def cmd_list(argv: Sequence[str]) -> int:
-    """``lowrank list [--markdown]``: one row per registered method."""
+    """``lowrank list [SLUG] [--markdown]``: one row per registered method, or one per config of method SLUG."""
     import argparse
 
     from lowrank_lit import registry
+    from lowrank_lit.launch.checks import config_header
 
     parser = argparse.ArgumentParser(prog="lowrank list", description="List the registered methods.")
+    parser.add_argument("slug", nargs="?", help="a method: list its configs, the command each runs with, what each "
+                        "needs (GPU, your files) and what must run first")
     parser.add_argument("--markdown", action="store_true", help="print the README's markdown table")
     parser.add_argument("--pages", action="store_true", help="print the README's list of method pages")
     opts = parser.parse_args(list(argv))
@@ -107,15 +112,36 @@ def cmd_list(argv: Sequence[str]) -> int:
         print(methods_markdown(), end="")
         return 0
     methods = registry.scan_methods()  # from the source files: no torch, no Lightning
+    if opts.slug is not None:
+        info = next((m for m in methods if m.slug == opts.slug), None)
+        if info is None:
+            print(f"lowrank list: error: slug={opts.slug!r} is not a registered method; choose from "
+                  f"{', '.join(m.slug for m in methods)}", file=sys.stderr)
+            return 2
+        rows = [("config", "command", "needs", "first")]
+        for cfg in info.configs():
+            h = config_header(registry.project_root() / cfg)
+            rows.append((cfg, f"lowrank {h.command or 'fit'}", h.needs(), h.first or "-"))
+        _print_columns(rows)
+        return 0
     if not methods:
         print("no methods registered")
         return 0
-    rows = [("slug", "kind", "paper", "configs")]
-    rows += [(m.slug, m.kind, m.paper, ", ".join(m.configs()) or "-") for m in methods]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+    rows = [("slug", "kind", "commands", "paper", "configs")]
+    for m in methods:
+        configs = m.configs()
+        commands = sorted({config_header(registry.project_root() / c).command or "fit" for c in configs})
+        rows.append((m.slug, m.kind, ", ".join(commands) or "-", m.paper, ", ".join(configs) or "-"))
+    _print_columns(rows)
+    print("\n`lowrank list <slug>`: each config's command, what it needs (GPU, your files) and what must run first")
     return 0
+
+
+def _print_columns(rows: list[tuple[str, ...]]) -> None:
+    """Left-aligned columns; the last one is not padded."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
 
 
 def cmd_sweep(argv: Sequence[str]) -> int:
@@ -217,6 +243,10 @@ def _main(args: Sequence[str] | None) -> int:
     missing = [c for c in config_files(argv[1:]) if not Path(c).is_file()]
     if missing:  # answered before Lightning is imported
         print(f"lowrank {argv[0]}: error: --config: file {missing[0]!r} does not exist", file=sys.stderr)
+        return 2
+    wrong = wrong_command(argv[0], config_files(argv[1:]))
+    if wrong:  # a test-only config given to fit: before Lightning is imported, so no run directory is made
+        print(f"lowrank {argv[0]}: error: {wrong}", file=sys.stderr)
         return 2
     from jsonargparse import ArgumentError
 

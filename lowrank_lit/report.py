@@ -19,7 +19,9 @@ import inspect
 import os
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Any
 
 __all__ = [
     "run_directory", "may_write", "artifact_path", "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
-    "markdown_table", "mean_std", "class_label", "new_figure", "save_figure",
+    "debug_reason", "including_debug_runs", "markdown_table", "mean_std", "class_label", "new_figure", "save_figure",
     "Summary", "get_summary", "summarize_main",
 ]
 
@@ -138,10 +140,10 @@ def find_runs(roots: Iterable[str], marker: str, required: bool = False) -> list
 
 
 
-#: trainer keys whose non-default value marks a debug run (a smoke or a partial run, not a result)
+#: trainer keys whose non-default value marks a debug run (a smoke or a partial run, not a result). A limit on
+#: validation or test batches alone is not one: real configs set it as their evaluation budget.
 DEBUG_TRAINER_KEYS = {"fast_dev_run": (False, 0, None), "overfit_batches": (0, 0.0, None),
-                      "limit_train_batches": (1.0, None), "limit_val_batches": (1.0, None),
-                      "limit_test_batches": (1.0, None)}
+                      "limit_train_batches": (1.0, None)}
 
 
 class Run:
@@ -188,18 +190,60 @@ class Run:
 
     @property
     def debug(self) -> bool:
-        """True for a debug run: ``fast_dev_run``, ``overfit_batches`` or a ``limit_*_batches`` below a full pass."""
+        """True for a debug run: ``fast_dev_run``, ``overfit_batches`` or ``limit_train_batches`` below a full pass."""
+        return self.debug_reason is not None
+
+    @property
+    def debug_reason(self) -> str | None:
+        """What makes it a debug run (``"limit_train_batches=2"``), or None for a real run."""
         trainer = (self.config.get("trainer") or {}) if (self.path / "config.yaml").is_file() else {}
-        return any(trainer.get(k, defaults[0]) not in defaults for k, defaults in DEBUG_TRAINER_KEYS.items())
+        return debug_reason(trainer)
+
+
+def debug_reason(trainer: dict[str, Any]) -> str | None:
+    """The trainer settings (of a saved config's ``trainer:`` section) that make a run a debug run, e.g.
+    ``"fast_dev_run=True"`` or ``"limit_train_batches=2, limit_val_batches=1"``; None for a real run."""
+    def is_default(value: Any, defaults: tuple[Any, ...]) -> bool:  # by type too: limit_val_batches=1 is one batch
+        return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
+
+    set_ = [f"{k}={trainer[k]}" for k, defaults in DEBUG_TRAINER_KEYS.items() if not is_default(trainer.get(k, defaults[0]), defaults)]
+    return ", ".join(set_) or None
+
+
+_INCLUDE_DEBUG: ContextVar[bool] = ContextVar("include_debug", default=False)
+
+
+@contextmanager
+def including_debug_runs(include: bool = True) -> Iterator[None]:
+    """Within this block :func:`read_runs` also returns debug runs (``lowrank summarize --include-debug``)."""
+    token = _INCLUDE_DEBUG.set(include)
+    try:
+        yield
+    finally:
+        _INCLUDE_DEBUG.reset(token)
 
 
 def read_runs(roots: Iterable[str], marker: str = "metrics.csv", required: bool = True) -> list[Run]:
     """The runs (sorted by path) at any depth below ``roots`` whose directory holds ``marker``.
 
+    Debug runs (:attr:`Run.debug`: ``fast_dev_run``, ``overfit_batches``, ``limit_train_batches``) are left out, so a
+    smoke never enters a result table, unless inside :func:`including_debug_runs`.
+
     Raises:
-        FileNotFoundError: ``required`` and there is none (the message names the roots and the marker).
+        FileNotFoundError: ``required`` and there is none (the message names the roots and the marker, and how many
+            debug runs were left out).
     """
-    return [Run(d) for d in find_runs(roots, marker, required=required)]
+    roots = list(roots)
+    runs = [Run(d) for d in find_runs(roots, marker, required=required)]
+    if _INCLUDE_DEBUG.get():
+        return runs
+    kept = [r for r in runs if not r.debug]
+    if required and not kept:
+        raise FileNotFoundError(
+            f"no run directory holding {marker} under {', '.join(roots)} except {len(runs)} debug run(s) "
+            f"({runs[0].debug_reason}, ...), which summaries leave out; --include-debug keeps them"
+        )
+    return kept
 
 
 # --------------------------------------------------------------------------------------- shared pieces
@@ -313,14 +357,29 @@ def summarize_main(argv: Sequence[str]) -> int:
     for name, default in summary.options.items():
         parser.add_argument(f"--{name}", default=default, type=type(default) if default is not None else str,
                             help=f"default: {default}")
+    parser.add_argument("--include-debug", action="store_true",
+                        help="also use debug runs (fast_dev_run, overfit_batches, limit_train_batches), left out by default")
+    parser.add_argument("--list-debug", action="store_true", help="only list the debug runs under the roots and why")
     args = vars(parser.parse_args(list(argv[1:])))
     roots, out = args.pop("roots"), args.pop("out")
+    include, listing = args.pop("include_debug"), args.pop("list_debug")
+    with including_debug_runs():
+        debug = [r for r in read_runs(roots, "config.yaml", required=False) if r.debug]
+    if listing:
+        for run in debug:
+            print(f"{run}  ({run.debug_reason})")
+        print(f"{len(debug)} debug run(s)", file=sys.stderr)
+        return 0
     try:
-        text = summary.fn(roots, out, **args)
+        with including_debug_runs(include):
+            text = summary.fn(roots, out, **args)
     except (FileNotFoundError, LookupError, ValueError) as exc:
         print(f"lowrank summarize {summary.slug}: error: {exc}", file=sys.stderr)
         return 2
     print(text)
     if out:
         print(out)
+    if debug and not include:
+        print(f"lowrank summarize: left out {len(debug)} debug run(s) (fast_dev_run, overfit_batches, limit_train_batches); "
+              "--list-debug names them, --include-debug keeps them", file=sys.stderr)
     return 0

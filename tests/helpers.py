@@ -36,15 +36,10 @@ def experiment_configs(parse_only: bool = False) -> list[Path]:
 
 
 def config_subcommand(config: Path) -> str:
-    """The ``lowrank`` subcommand a config's header says it runs (``# Run: lowrank test ...``), else ``fit``."""
-    for line in config.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        if "lowrank " in line:
-            sub = line.split("lowrank ", 1)[1].split()[0]
-            if sub in ("fit", "validate", "test", "predict"):
-                return sub
-    return "fit"
+    """The ``lowrank`` subcommand a config's ``# Run: lowrank test ...`` header line gives, else ``fit``."""
+    from lowrank_lit.launch.checks import config_header
+
+    return config_header(config).command or "fit"
 
 
 def run_cli(*args: Any, run_root: Path) -> int:

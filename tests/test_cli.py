@@ -54,6 +54,8 @@ HEAVY = ("torch", "lightning", "timm", "transformers", "diffusers", "lowrank_lit
         (["--help"], HEAVY),
         (["list"], HEAVY),
         (["list", "--markdown"], HEAVY),
+        (["list", "trust"], HEAVY),
+        (["fit", "--config", "configs/trust/digits_c_trust.yaml"], HEAVY),
         (["fit", "--config", "missing.yaml"], HEAVY),
         (["sweep", "sweeps/q3r.yaml", "--check"], HEAVY),
         (["sweep", "sweeps/baseline_mlp_digits.yaml", "--check"], HEAVY),
@@ -275,3 +277,39 @@ def test_output_into_a_closed_pipe_ends_quietly(argv):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def _evaluation_configs() -> list[str]:
+    from tests.helpers import CONFIGS, config_subcommand
+
+    return sorted(str(p.relative_to(ROOT)) for p in CONFIGS.rglob("*.yaml") if config_subcommand(p) in ("test", "predict"))
+
+
+@pytest.mark.parametrize("config", _evaluation_configs())
+def test_fit_on_an_evaluation_config_names_the_right_command(config, tmp_path, capsys, monkeypatch):
+    """``lowrank fit`` on a test-only config (TRUST, Shallow Diffuse, the pinv bounds, ...): one line naming the
+    command its header gives, before Lightning is imported, and no run directory."""
+    from lowrank_lit.cli import main
+    from tests.helpers import config_subcommand
+
+    monkeypatch.chdir(ROOT)
+    assert main(["fit", "--config", config, "--run_root", str(tmp_path / "runs")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [f"lowrank fit: error: {config} {'evaluates' if config_subcommand(ROOT / config) == 'test' else 'predicts'}"
+                   f" (it does not train); run: lowrank {config_subcommand(ROOT / config)} --config {config}"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_list_of_one_method_gives_command_needs_and_first(capsys):
+    from lowrank_lit.cli import main
+
+    assert main(["list", "trust"]) == 0
+    rows = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+    assert "lowrank test" in rows["configs/trust/digits_c_trust.yaml"]
+    assert rows["configs/trust/digits_c_trust.yaml"].endswith("lowrank fit --config configs/trust/source_vmamba_digits.yaml")
+    assert "lowrank fit" in rows["configs/trust/source_vmamba_digits.yaml"]
+    assert "GPU, your files" in rows["configs/trust/vmamba_tiny_imagenetc_gpu.yaml"]
+    assert main(["list"]) == 0
+    trust = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("trust "))
+    assert " fit, test " in trust
+    assert main(["list", "nosuch"]) == 2 and "slug='nosuch'" in capsys.readouterr().err

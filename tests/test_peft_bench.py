@@ -206,15 +206,18 @@ def test_limited_benchmark_sweep_and_summary_end_to_end(tmp_path):
                           "seed_everything": {"values": [0]}}
     sweep = tmp_path / "peft_bench_smoke.yaml"
     sweep.write_text(yaml.safe_dump(spec))
-    limit = ["--trainer.max_steps=7", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=3",
+    limit = ["--trainer.max_steps=7", "--trainer.limit_train_batches=7", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=3",
              "--data.init_args.n_train=64", "--data.init_args.n_test=96", "--data.init_args.n_val=8"]
     env_cmd = [sys.executable, "-m", "lowrank_lit"]
     done = subprocess.run([*env_cmd, "sweep", str(sweep), "--no-wandb", "--run-root", str(tmp_path / "runs"), *limit],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     out = tmp_path / "plot.png"
-    table = subprocess.run([*env_cmd, "summarize", "peft_bench", str(tmp_path / "runs"), "--out", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    refused = subprocess.run([*env_cmd, "summarize", "peft_bench", str(tmp_path / "runs")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "3 debug run(s)" in refused.stderr  # limited runs are not results
+    table = subprocess.run([*env_cmd, "summarize", "peft_bench", str(tmp_path / "runs"), "--out", str(out),
+                            "--include-debug"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr[-2000:]
     lines = table.stdout.splitlines()
     rows = [ln for ln in lines if ln.startswith("| ")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from lowrank_lit.report import Run, read_runs
+from lowrank_lit.report import Run, including_debug_runs, read_runs
 
 
 def _run(root, name, trainer, rows):
@@ -20,12 +20,15 @@ def test_read_runs_gives_config_final_metrics_history_and_debug(tmp_path):
     _run(tmp_path, "b", {"fast_dev_run": True}, [(1.0, "")])
     _run(tmp_path, "a", {"max_epochs": 3}, [(2.0, 0.5), (1.5, ""), (1.0, 0.75)])
     _run(tmp_path, "c", {"limit_train_batches": 0.1}, [(3.0, 0.1)])
-    runs = read_runs([str(tmp_path)])
+    with including_debug_runs():
+        runs = read_runs([str(tmp_path)])
     assert [r.path.name for r in runs] == ["a", "b", "c"]
     a, b, c = runs
     assert a.metrics == {"step": 2.0, "train/loss": 1.0, "val/acc": 0.75}
     assert a.history("val/acc") == [0.5, 0.75] and a.config["trainer"]["max_epochs"] == 3
     assert (a.debug, b.debug, c.debug) == (False, True, True)
+    assert (a.debug_reason, b.debug_reason, c.debug_reason) == (None, "fast_dev_run=True", "limit_train_batches=0.1")
+    assert [r.path.name for r in read_runs([str(tmp_path)])] == ["a"]  # summaries never see a smoke by default
     assert str(a) == str(tmp_path / "exp" / "a") and Run(a).path == a.path  # a Run is path-like
 
 
@@ -33,6 +36,46 @@ def test_read_runs_names_roots_and_marker(tmp_path):
     with pytest.raises(FileNotFoundError, match="forgetting.csv"):
         read_runs([str(tmp_path)], "forgetting.csv")
     assert read_runs([str(tmp_path)], "forgetting.csv", required=False) == []
+
+
+def _names_summary(roots, out=None):
+    """A stand-in summary: the names of the runs it was given, one per line."""
+    return "\n".join(r.path.name for r in read_runs(roots))
+
+
+def test_summarize_leaves_debug_runs_out_and_lists_them(tmp_path, monkeypatch, capsys):
+    from lowrank_lit import report
+
+    monkeypatch.setitem(report.BENCHMARK_SUMMARIES, "names", f"{__name__}._names_summary")
+    _run(tmp_path, "real", {"max_epochs": 3}, [(1.0, 0.5)])
+    _run(tmp_path, "smoke", {"fast_dev_run": True}, [(1.0, "")])
+    _run(tmp_path, "partial", {"limit_train_batches": 2, "limit_val_batches": 2}, [(1.0, 0.1)])
+    _run(tmp_path, "budget", {"limit_val_batches": 20}, [(1.0, 0.2)])  # an evaluation budget, not a smoke
+    assert report.summarize_main(["names", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["budget", "real"] and "left out 2 debug run(s)" in err
+    assert report.summarize_main(["names", str(tmp_path), "--include-debug"]) == 0
+    assert capsys.readouterr().out.split() == ["budget", "partial", "real", "smoke"]
+    assert report.summarize_main(["names", str(tmp_path), "--list-debug"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed == [f"{tmp_path / 'exp' / 'partial'}  (limit_train_batches=2)", f"{tmp_path / 'exp' / 'smoke'}  (fast_dev_run=True)"]
+    for name in ("real", "budget"):
+        (tmp_path / "exp" / name / "config.yaml").unlink()
+        (tmp_path / "exp" / name / "metrics.csv").unlink()
+    assert report.summarize_main(["names", str(tmp_path)]) == 2  # only debug runs: the error says so
+    assert "except 2 debug run(s)" in capsys.readouterr().err
+
+
+def test_debug_run_config_is_marked(tmp_path):
+    from tests.helpers import MLP_CONFIG, run_cli
+
+    assert run_cli("fit", "--config", MLP_CONFIG, "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+                   "--trainer.max_epochs=1", "--test_after_fit=false", "--trainer.enable_progress_bar=false",
+                   "--run_id=partial", run_root=tmp_path) == 0
+    (config,) = tmp_path.rglob("partial/config.yaml")
+    first = config.read_text().splitlines()[0]
+    assert first.startswith("# debug run (limit_train_batches=2)"), first
+    assert Run(config.parent).debug
 
 
 # ------------------------------------------------------------------ writing: the run-directory API

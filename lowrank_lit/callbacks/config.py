@@ -10,7 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from lowrank_lit.report import artifact_path
+from lowrank_lit.report import artifact_path, debug_reason
 
 __all__ = ["RunConfigCallback", "WANDB_CONFIG_FILE"]
 
@@ -21,7 +21,8 @@ WANDB_CONFIG_FILE = "lowrank_config.yaml"
 class RunConfigCallback(SaveConfigCallback):
     """:class:`~lightning.pytorch.cli.SaveConfigCallback` that also logs the config to trackers.
 
-    ``config.yaml`` is written to the run directory (rank 0). Every logger other than the CSV
+    ``config.yaml`` is written to the run directory (rank 0); a debug run's (``fast_dev_run``, ``overfit_batches``,
+    ``limit_train_batches``) starts with a ``# debug run (...)`` line. Every logger other than the CSV
     logger (which already sits next to ``config.yaml``) receives the whole config once, as a
     nested mapping, through ``log_hyperparams``; W&B additionally stores ``config.yaml`` as the
     run file ``lowrank_config.yaml``. Modules call ``save_hyperparameters(logger=False)`` so that nothing is logged twice.
@@ -32,6 +33,13 @@ class RunConfigCallback(SaveConfigCallback):
         # this runs on rank 0 only: trainer.log_dir would broadcast (a collective) and deadlock DDP;
         # the CLI makes the CSV log dir and the run directory the same folder
         config_path = artifact_path(trainer, self.config_filename)
+        reason = debug_reason(config.get("trainer") or {})
+        if reason and os.path.isfile(config_path):  # marked for people; `lowrank summarize` reads the trainer keys
+            with open(config_path) as f:
+                text = f.read()
+            if not text.startswith("# debug run"):
+                with open(config_path, "w") as f:
+                    f.write(f"# debug run ({reason}): `lowrank summarize` leaves it out (--include-debug keeps it)\n{text}")
         for logger in trainer.loggers:
             if isinstance(logger, CSVLogger):
                 continue

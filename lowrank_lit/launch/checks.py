@@ -19,6 +19,7 @@ import shlex
 import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -108,6 +109,68 @@ def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
                 break
             if m := _FIRST_RE.match(line):
                 return m.group(1)
+    return None
+
+
+_RUN_RE = re.compile(r"^#\s*Run:\s*lowrank\s+(\w+)\b")
+_CI_REHEARSAL_RE = re.compile(r"^#\s*ci:\s*rehearsal\s*\((.*)")
+_ACCEL_RE = re.compile(r"^\s+accelerator:\s*(gpu|cuda)\b", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class ConfigHeader:
+    """What a config's leading ``#`` lines (and its trainer's accelerator) say about running it.
+
+    Attributes:
+        command: the ``lowrank`` subcommand of its ``# Run:`` line (``fit``, ``test``, ...), or None.
+        first: the ``# First: lowrank fit --config ...`` command that makes what it starts from, or None.
+        your_data: it reads files you bring (a ``# ci: rehearsal (...)`` config: real data, weights or checkpoints).
+        gpu: it asks for a GPU (``accelerator: gpu``/``cuda``, or its rehearsal line says GPU).
+    """
+
+    command: str | None
+    first: str | None
+    your_data: bool
+    gpu: bool
+
+    def needs(self) -> str:
+        """``"GPU, your files"``, ``"your files"``, ... or ``"-"``."""
+        return ", ".join([*(["GPU"] if self.gpu else []), *(["your files"] if self.your_data else [])]) or "-"
+
+
+def config_header(path: str | Path) -> ConfigHeader:
+    """Read :class:`ConfigHeader` from a config file (text only: no YAML parser, no torch)."""
+    text = Path(path).read_text()
+    command = first = None
+    rehearsal = ""
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if (m := _RUN_RE.match(line)) and command is None:
+            command = m.group(1)
+        elif (m := _FIRST_RE.match(line)) and first is None:
+            first = m.group(1)
+        elif m := _CI_REHEARSAL_RE.match(line):
+            rehearsal = m.group(1)
+    gpu = bool(_ACCEL_RE.search(text)) or "GPU" in rehearsal
+    return ConfigHeader(command, first, bool(rehearsal), gpu)
+
+
+def wrong_command(command: str, files: Sequence[str]) -> str | None:
+    """The one-line error for ``lowrank fit`` on a config that evaluates (its ``# Run:`` line says ``test`` or
+    ``predict``: a test-time method, a detector, a bound), else None. ``validate``/``test``/``predict`` on a training
+    config are fine (they evaluate its checkpoint)."""
+    for f in files:
+        try:
+            header = config_header(f)
+        except OSError:
+            continue
+        if header.command is None:
+            continue
+        if command == "fit" and header.command in ("test", "predict"):
+            what = "evaluates" if header.command == "test" else "predicts"
+            return f"{f} {what} (it does not train); run: lowrank {header.command} --config {f}"
+        return None
     return None
 
 

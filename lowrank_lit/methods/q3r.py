@@ -56,6 +56,7 @@ from lowrank_lit.report import (
     markdown_table,
     may_write,
     new_figure,
+    read_runs,
     save_figure,
     save_rows,
 )
@@ -600,16 +601,14 @@ def compare(experiment_dirs: Sequence[str], out: str | None = None) -> str:
 
     ``lowrank summarize q3r runs/q3r/mlp_digits runs/q3r/mlp_digits_adamw --out cmp.png``
     """
-    import csv
     from pathlib import Path
 
     series: dict[str, list[dict[str, float]]] = {}
     counts: dict[str, int] = {}
     for folder in experiment_dirs:
-        files = sorted(Path(folder).glob("*/truncation.csv"))
-        if not files:
-            raise FileNotFoundError(f"compare: no */truncation.csv under {folder!r}")
-        runs = [list(csv.DictReader(f.open())) for f in files]
+        runs = [run.rows("truncation.csv") for run in read_runs([folder], "truncation.csv", required=False)]
+        if not runs:
+            raise FileNotFoundError(f"compare: no run with a truncation.csv under {folder!r} (debug runs left out)")
         label = Path(folder).name
         series[label] = [
             {k: sum(float(r[i][k]) for r in runs) / len(runs) for k in ("keep_fraction", "kept_params", "acc")}
