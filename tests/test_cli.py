@@ -313,3 +313,22 @@ def test_list_of_one_method_gives_command_needs_and_first(capsys):
     trust = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("trust "))
     assert " fit, test " in trust
     assert main(["list", "nosuch"]) == 2 and "slug='nosuch'" in capsys.readouterr().err
+
+
+def test_log_lines_of_an_evaluation_when_stdout_is_not_a_terminal(tmp_path):
+    """``lowrank test`` into a log file: a start line with the batch count, periodic batch lines, a result line."""
+    proc = _run(["fit", "--config", MLP_CONFIG, "--trainer.max_epochs=1", "--run_root", tmp_path, "--run_id=a",
+                 "--test_after_fit=false"])
+    assert proc.returncode == 0, proc.stderr
+    (ckpt,) = tmp_path.rglob("a/checkpoints/last.ckpt")
+    proc = _run(["test", "--config", MLP_CONFIG, "--ckpt_path", ckpt, "--run_root", tmp_path, "--run_id=b",
+                 "--trainer.callbacks+=lowrank_lit.callbacks.LogProgress",
+                 "--trainer.callbacks.init_args.every_n_steps=2", "--trainer.callbacks.init_args.every_n_seconds=0"])
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("test")]
+    total = int(lines[0].split(": ")[1].split()[0])
+    assert lines[0] == f"test: {total} batches" and total > 2
+    batch_lines = [ln for ln in lines if ln.startswith("test  batch ")]
+    assert [ln.split()[2] for ln in batch_lines] == [f"{i}/{total}" for i in range(2, total, 2)], proc.stdout
+    assert all("left ~" in ln for ln in batch_lines)
+    assert lines[-1].startswith("test: test/acc ") and f"({total} batches in " in lines[-1]

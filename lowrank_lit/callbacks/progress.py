@@ -6,7 +6,13 @@ terminal and no progress bar is configured. It prints one line per epoch::
     epoch 3/30  step 80  train/loss 0.1203  val/acc 0.9704  val/loss 0.1121  elapsed 0:00:04  left ~0:00:36
 
 and, inside long epochs, a line every ``every_n_steps`` optimizer steps or ``every_n_seconds``
-seconds (whichever comes first). Compose it explicitly with
+seconds (whichever comes first). ``lowrank test``, ``predict`` and ``validate`` print the same kind of lines over
+their batches (a TTA stream, a watermark detection)::
+
+    test: 300 batches
+    test  batch 120/300  elapsed 0:01:00  left ~0:01:30
+    test: test/acc 0.8712 (300 batches in 0:02:31)
+ Compose it explicitly with
 ``--trainer.callbacks+=lowrank_lit.callbacks.LogProgress``.
 """
 
@@ -54,8 +60,8 @@ class LogProgress(ProgressBar):
     """A progress "bar" that prints plain lines: one per epoch, and periodic ones inside long epochs.
 
     Args:
-        every_n_steps: also print a line every this many optimizer steps inside an epoch; 0 turns
-            step lines off. Default: 0.
+        every_n_steps: also print a line every this many optimizer steps inside an epoch (in ``lowrank
+            test``/``predict``/``validate``: every this many batches); 0 turns step lines off. Default: 0.
         every_n_seconds: also print a line when this many seconds passed since the last line
             (long epochs); 0 turns it off. Default: 60.
         stream: where to print. Default: ``sys.stdout``.
@@ -75,6 +81,9 @@ class LogProgress(ProgressBar):
         self._last_line = 0.0
         self._start_step = 0
         self._start_epoch = 0
+        self._eval_start_time = 0.0
+        self._eval_total: int | None = None
+        self._eval_done = 0
 
     # ProgressBar interface
     def disable(self) -> None:
@@ -138,8 +147,60 @@ class LogProgress(ProgressBar):
         metrics = format_metrics(trainer.callback_metrics)
         self.print(f"epoch {self._epochs(trainer)}  step {trainer.global_step}  {metrics}  {self._remaining(trainer, epoch_done=True)}")
 
+    # evaluation outside fit (lowrank test / predict / validate): a start line and periodic batch lines
+    def _eval_start(self, trainer: Trainer, stage: str, totals: Any) -> None:
+        self._eval_start_time = self._last_line = time.monotonic()
+        totals = [t for t in (totals or []) if isinstance(t, int | float)]
+        self._eval_total = int(sum(totals)) if totals and all(t != float("inf") for t in totals) else None
+        self._eval_done = 0
+        loaders = f" in {len(totals)} dataloaders" if len(totals) > 1 else ""
+        size = f": {self._eval_total} batches{loaders}" if self._eval_total is not None else ""
+        self.print(f"{stage}{size}")
+
+    def _eval_batch(self, trainer: Trainer, stage: str) -> None:
+        self._eval_done += 1
+        now = time.monotonic()
+        by_batches = self.every_n_steps and self._eval_done % self.every_n_steps == 0
+        by_time = self.every_n_seconds and now - self._last_line >= self.every_n_seconds
+        total = self._eval_total
+        if not (by_batches or by_time) or (total is not None and self._eval_done >= total):
+            return
+        self._last_line = now
+        elapsed = now - self._eval_start_time
+        where = f"{self._eval_done}/{total}" if total else str(self._eval_done)
+        left = f"  left ~{_duration(elapsed * (total - self._eval_done) / self._eval_done)}" if total else ""
+        metrics = format_metrics(trainer.progress_bar_metrics, prefixes=(f"{stage}/",), per="step")
+        self.print(f"{stage}  batch {where}  {metrics + '  ' if metrics else ''}elapsed {_duration(elapsed)}{left}")
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_start(trainer, "test", trainer.num_test_batches)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_batch(trainer, "test")
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_start(trainer, "predict", trainer.num_predict_batches)
+
+    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                             batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_batch(trainer, "predict")
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._eval_start(trainer, "validate", trainer.num_val_batches)
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if trainer.state.fn == "validate":
+            self._eval_batch(trainer, "val")
+
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.print(f"test: {format_metrics(trainer.callback_metrics, prefixes=('test/',))}")
+        done = f" ({self._eval_done} batches in {_duration(time.monotonic() - self._eval_start_time)})"
+        self.print(f"test: {format_metrics(trainer.callback_metrics, prefixes=('test/',))}{done}")
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.print(f"predict done: {self._eval_done} batches in {_duration(time.monotonic() - self._eval_start_time)}")
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == "validate":
