@@ -332,3 +332,58 @@ def test_log_lines_of_an_evaluation_when_stdout_is_not_a_terminal(tmp_path):
     assert [ln.split()[2] for ln in batch_lines] == [f"{i}/{total}" for i in range(2, total, 2)], proc.stdout
     assert all("left ~" in ln for ln in batch_lines)
     assert lines[-1].startswith("test: test/acc ") and f"({total} batches in " in lines[-1]
+
+
+_NO_GPU = pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="checks the message on a machine without a GPU")
+
+# (command line, what the one error line must say): each failed before a batch ran, and none leaves a run directory
+SETUP_ERRORS = [
+    pytest.param(["fit", "--config", "configs/q3r/mlp_digits.yaml", "--trainer.callbacks.init_args.targets=[backbone.nope]"],
+                 "Q3R: targets: pattern matches no module: 'backbone.nope' (module names: backbone,", id="q3r-target"),
+    pytest.param(["fit", "--config", "configs/capt/user_text_csv.yaml", "--data.init_args.train_path=/nope/train.csv"],
+                 "data.init_args.train_path='/nope/train.csv': no such file or folder", id="capt-user-csv"),
+    pytest.param(["fit", "--config", "configs/strank/real_slides.yaml", "--data.init_args.features=[a.npy, b.npy]",
+                  "--data.init_args.counts=[a.npy, b.npy]"],
+                 "data.init_args.features[0]='a.npy': no such file or folder", id="strank-real-slides"),
+    pytest.param(["fit", "--config", "configs/gaze_3dpe/real_gpu.yaml"],
+                 "trainer.accelerator='gpu', but no GPU is visible here", id="gaze-real-gpu", marks=_NO_GPU),
+    pytest.param(["test", "--config", "configs/trust/vmamba_tiny_imagenetc_gpu.yaml"],
+                 "trainer.accelerator='gpu', but no GPU is visible here", id="gpu-config-on-cpu", marks=_NO_GPU),
+    pytest.param(["fit", "--config", MLP_CONFIG, "--model.init_args.optimizer.init_args.lr=-1e-3"],
+                 "model.init_args.optimizer.init_args.lr=-0.001; allowed: a number > 0", id="negative-lr"),
+    pytest.param(["fit", "--config", MLP_CONFIG, "--model.init_args.optimizer.init_args.lr=0"],
+                 "model.init_args.optimizer.init_args.lr=0", id="zero-lr"),
+    pytest.param(["fit", "--config", MLP_CONFIG, "--trainer.max_epochs=-3"],
+                 "trainer.max_epochs=-3; allowed: -1 (no limit), 0 or a positive integer", id="negative-epochs"),
+    pytest.param(["test", "--config", "configs/shallow_diffuse/gaussian_shallow_diffuse.yaml", "--model.init_args.channel=3"],
+                 "RingKey: channel=3; allowed: 0..0 for 1 channels", id="shallow-diffuse-channel"),
+    pytest.param(["test", "--config", "configs/shallow_diffuse/gaussian_shallow_diffuse.yaml", "--model.init_args.radius=0"],
+                 "RingKey: radius=0; allowed: an integer in 1..", id="shallow-diffuse-radius-0"),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle"), SETUP_ERRORS)
+def test_failed_setup_is_one_line_and_leaves_no_run_directory(argv, needle, tmp_path):
+    """Inputs that fail while the run is being set up: status 2, one `error:` line naming the argument, the value and
+    what is allowed, no traceback, no run directory (docs/cli.md lists these lines)."""
+    proc = _run([*argv, "--run_root", tmp_path / "runs"])
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"lowrank {argv[0]}: error: ") and needle in errors[0], proc.stderr
+    assert run_dirs(tmp_path / "runs") == [] and not list((tmp_path / "runs").glob("*/*/*"))
+
+
+def test_callback_flag_reaches_the_last_callback_given_before_it(tmp_path):
+    """``--trainer.callbacks.init_args.*`` sets the last callback listed at that point of the command line: before a
+    preset that appends a callback it reaches the experiment's (Q3R's ``lam``); after it, the preset's, and a key that
+    callback lacks is an error saying how to order the flags (never silently applied elsewhere)."""
+    q3r, preset = "configs/q3r/mlp_digits.yaml", "callbacks/early_stopping.yaml"
+    before = _run(["fit", "--config", q3r, "--trainer.callbacks.init_args.lam=2.5", "--config", preset, "--print_config"])
+    assert before.returncode == 0, before.stderr
+    cfg = yaml.safe_load(before.stdout)
+    by_class = {c["class_path"].rsplit(".", 1)[1]: c.get("init_args", {}) for c in cfg["trainer"]["callbacks"]}
+    assert by_class["Q3R"]["lam"] == 2.5 and by_class["EarlyStopping"]["patience"] == 10
+    after = _run(["fit", "--config", q3r, "--config", preset, "--trainer.callbacks.init_args.lam=2.5", "--print_config"])
+    assert after.returncode == 2
+    assert ("unknown key 'trainer.callbacks.init_args.lam' (not an argument of lightning.pytorch.callbacks.EarlyStopping); "
+            "--trainer.callbacks.init_args.* sets the last callback given so far") in after.stderr

@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 __all__ = [
-    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "check_input_files", "config_files", "experiment_from_configs", "first_line",
+    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "prerequisite_command", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed",
 ]
@@ -195,6 +195,75 @@ def check_input_files(cfg: Any) -> None:
             raise ConfigError(f"{key}={value!r} does not exist{hint}")
 
 
+#: data arguments that name files or folders you bring (checked before anything runs)
+_DATA_INPUT_RE = re.compile(
+    r"^data\.init_args\.(train_path|val_path|test_path|pool_path|jsonl|train_csv|val_csv|test_csvs|data_dir|root|"
+    r"features|counts)$"
+)
+#: learning-rate arguments (lr, lr_head, meta_lr, ...): a step size, > 0
+_LR_KEY_RE = re.compile(r"(^|\.)(lr|lr_[a-z]+|[a-z]+_lr)$")
+
+
+def _leaves(value: Any, key: str) -> list[tuple[str, Any]]:
+    """``(key, value)`` of a config value, lists as ``key[i]`` and mappings as ``key.name``."""
+    if isinstance(value, list | tuple):
+        return [pair for i, v in enumerate(value) for pair in _leaves(v, f"{key}[{i}]")]
+    if isinstance(value, dict):
+        return [pair for k, v in value.items() for pair in _leaves(v, f"{key}.{k}")]
+    return [(key, value)]
+
+
+def check_values(cfg: Any) -> None:
+    """Values that would fail only after the run started, or fail with a message that names no argument: checked
+    by name before a run directory exists.
+
+    * data files and folders you bring (``data.init_args.train_path``, ``features``, ``test_csvs``, ...) exist;
+    * learning rates (``lr``, ``lr_head``, ``meta_lr``, ...) are numbers > 0;
+    * ``trainer.max_epochs`` / ``trainer.max_steps`` are -1 (no limit) or >= 0;
+    * a config that asks for a GPU (``trainer.accelerator: gpu``/``cuda``) runs where one is visible.
+
+    Raises:
+        ConfigError: one line naming the argument, its value and what is allowed.
+    """
+    trainer = cfg.get("trainer")
+    accel = str((trainer.get("accelerator") if trainer is not None else None) or "").lower()
+    if accel in ("gpu", "cuda"):  # first: on a machine without a GPU nothing else about the run matters
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"trainer.accelerator={accel!r}, but no GPU is visible here "
+                              "(torch.cuda.is_available() is False); allowed here: cpu or auto "
+                              "(--trainer.accelerator=cpu, or rehearse the config: pytest -m rehearsal)")
+    for key, value in cfg.items():
+        if value is None:
+            continue
+        if _DATA_INPUT_RE.match(key):
+            for k, v in _leaves(value, key):
+                if isinstance(v, str) and "://" not in v and not Path(v).exists():
+                    raise ConfigError(f"{k}={v!r}: no such file or folder (a file you bring: give its path, "
+                                      f"--{k.split('[')[0]}=...)")
+        elif _LR_KEY_RE.search(key) and isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"{key}={value!r}; allowed: a number > 0 (a learning rate)")
+    if trainer is not None:
+        for name in ("max_epochs", "max_steps"):
+            value = trainer.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+                raise ConfigError(f"trainer.{name}={value}; allowed: -1 (no limit), 0 or a positive integer")
+
+
+def setup_error(exc: BaseException, cfg: Any) -> str:
+    """One line for an error raised while a run was being set up (before its first batch): the exception's first
+    line, prefixed with the argument whose value it quotes when there is one (a missing file, a bad channel)."""
+    line = first_line(exc)
+    quoted = set(re.findall(r"'([^']+)'", line)) | set(re.findall(r"\"([^\"]+)\"", line))
+    for key, value in cfg.items() if cfg is not None else []:
+        if key.startswith(("data.", "model.")):
+            for k, v in _leaves(value, key):
+                if isinstance(v, str) and v in quoted:
+                    return f"{k}={v!r}: {line}"
+    return line
+
+
 def first_line(exc: BaseException) -> str:
     return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
 
@@ -293,6 +362,9 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
             owner = f" (not an argument of {cls})" if cls else ""
             match = closest(m.group(1), _init_arg_names(cls)) if cls else None
             hint = f"; did you mean --{key.rsplit('.', 1)[0]}.{match}?" if match else ""
+            if key.startswith("trainer.callbacks.init_args.") and not match:
+                hint = (f"; --trainer.callbacks.init_args.* sets the last callback given so far ({cls}): give the flag "
+                        "before the --config that adds that callback")
             return f"unknown key {key!r}{owner}{hint}"
     if key_parts and (m := _EXPECTED_RE.search(text)):
         got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)

@@ -27,11 +27,13 @@ from lowrank_lit.launch.checks import (
     LIGHTNING_COMMANDS,
     ConfigError,
     check_input_files,
+    check_values,
     experiment_from_configs,
     first_line,
     is_rank_zero,
     one_line_error,
     quiet_known_noise,
+    setup_error,
     stdout_is_terminal,
     wandb_online_allowed,
 )
@@ -156,7 +158,8 @@ class LowrankCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        check_input_files(cfg)  # before a run directory exists: a missing input leaves nothing behind
+        check_values(cfg)  # before a run directory exists: a bad input leaves nothing behind
+        check_input_files(cfg)
         experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
         run_dir = resolve_run_dir(cfg.run_root, experiment, cfg.run_id)
         os.environ[ENV_RUN_DIR] = str(run_dir.path)  # inherited by DDP worker processes
@@ -282,9 +285,57 @@ class LowrankCLI(LightningCLI):
             root = exc
             while root.__cause__ is not None:
                 root = root.__cause__
-            if isinstance(root, (ValueError, TypeError, ImportError, AttributeError)):
+            from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+            if isinstance(root, (ValueError, TypeError, ImportError, AttributeError, MisconfigurationException)):
                 raise ConfigError(f"{type(root).__name__}: {first_line(root)}") from exc
             raise
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run the subcommand; an input error raised while the run was being set up (a data module's missing file,
+        a layer's bad argument, before the first batch) becomes one line, and the run directory it made is removed
+        when nothing was written into it but its config."""
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            raise
+        except Exception as exc:
+            from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+            root = exc
+            while root.__cause__ is not None:
+                root = root.__cause__
+            if not isinstance(root, (ValueError, OSError, MisconfigurationException)) or self._batches_done():
+                raise
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            if self.run_dir is not None and is_rank_zero():
+                self._remove_if_unstarted(self.run_dir)
+            raise ConfigError(setup_error(root, cfg)) from exc
+
+    def _batches_done(self) -> int:
+        """Batches any loop of this trainer has finished (0: the run failed while it was being set up)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0
+        loops = [trainer.fit_loop.epoch_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop]
+        return sum(loop.batch_progress.total.completed for loop in loops if hasattr(loop, "batch_progress"))
+
+    @staticmethod
+    def _remove_if_unstarted(run_dir: RunDir) -> None:
+        """Remove a run directory this run created when it holds nothing but what setup writes (config and
+        hyperparameter files, a metrics.csv without rows): a run that never started leaves nothing behind."""
+        if run_dir.resumed or not run_dir.path.is_dir():
+            return
+        setup_files = {"config.yaml", "hparams.yaml", "metrics.csv"}
+        entries = list(run_dir.path.iterdir())
+        if any(e.name not in setup_files or not e.is_file() for e in entries):
+            return
+        metrics = run_dir.path / "metrics.csv"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) > 1:
+            return
+        for e in entries:
+            e.unlink()
+        run_dir.path.rmdir()
 
     def _loggers(self, value: Any, run_dir: RunDir) -> Any:
         if value is False:  # logging explicitly switched off

@@ -59,7 +59,15 @@ ZONE_EDGES = (0.15, 0.1)  # |yaw| and |pitch| (radians) beyond which a gaze leav
 
 def angular_loss(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean angle (radians) between ``pred`` and ``target`` ``(B, 3)``; invariant to positive scaling of ``pred``;
-    the cosine is clamped to 1 - 1e-7 so the gradient stays finite at ``pred = target``."""
+    the cosine is clamped to 1 - 1e-7 so the gradient stays finite at ``pred = target``.
+
+    Raises:
+        ValueError: a ``target`` row is the zero vector (no direction: its angle to anything is undefined).
+    """
+    zero = target.abs().sum(1) == 0
+    if bool(zero.any()):
+        raise ValueError(f"angular_loss: target row {int(zero.nonzero()[0, 0])} is the zero vector; allowed: non-zero "
+                         "gaze directions (any length)")
     cos = F.cosine_similarity(pred, target, dim=1, eps=1e-12).clamp(-1 + 1e-7, 1 - 1e-7)
     return torch.arccos(cos).mean()
 

@@ -307,12 +307,14 @@ class LikelihoodScorer:
             raise ValueError(f"LikelihoodScorer: dtype={dtype!r}; allowed: {', '.join(self.DTYPES)}")
         if batch_size < 1:
             raise ValueError(f"LikelihoodScorer: batch_size={batch_size}; allowed: an integer >= 1")
+        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
+            raise ValueError(f"LikelihoodScorer: max_length={max_length!r}; allowed: a positive integer, or None (the model's)")
         self.model, self.pretrained = load_backbone(backbone, causal=True, config=backbone_config)
         self.model.to(device=device, dtype=self.DTYPES[dtype])
         self.tokenizer = load_tokenizer(tokenizer or backbone)
         cfg = self.model.config
         limit = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
-        self.max_length = int(max_length or limit or 2048)
+        self.max_length = int(max_length if max_length is not None else limit or 2048)
         if limit is not None and self.max_length > limit:
             raise ValueError(f"LikelihoodScorer: max_length={max_length} exceeds the model's context {limit}")
         self.batch_size, self.separator = batch_size, separator

@@ -96,7 +96,17 @@ def _log_policy(policy: torch.Tensor) -> torch.Tensor:
 
 def tilt(log_pi0: torch.Tensor, adv_r: torch.Tensor, adv_c: torch.Tensor, nu: float, eta: float,
          kappa: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(log pi_nu (S, A), z_nu (S, A), log Z_nu (S,))``; max-subtracted (log-sum-exp), safe for |z| ~ 1e3."""
+    """``(log pi_nu (S, A), z_nu (S, A), log Z_nu (S,))``; max-subtracted (log-sum-exp), safe for |z| ~ 1e3.
+
+    Raises:
+        ValueError: a row of ``log_pi0`` is not a log-distribution (its probabilities do not sum to 1 within 1e-4).
+    """
+    sums = log_pi0.exp().sum(1)
+    bad = (sums - 1).abs() > 1e-4
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"tilt: log_pi0 row {row} sums to {float(sums[row]):.4g} as probabilities; allowed: rows of "
+                         "log-probabilities (exp(log_pi0) sums to 1 over actions)")
     if math.isinf(nu):  # the limit nu -> inf: z = -A_c / kappa (or the argmin of A_c when kappa = 0)
         z = -adv_c / kappa if kappa > 0 else torch.where(adv_c == adv_c.min(1, keepdim=True).values, 0.0, -torch.inf)
     else:

@@ -420,9 +420,9 @@ class ShallowDiffuseEval(pl.LightningModule):
         res = denoiser.shape[-1]
         sampler = DDIMSampler(denoiser, denoiser.alphas_cumprod, steps)
         if method == "tree_ring":
-            self.wm = tree_ring(sampler, res, radius or 2, channel, key_rng)
+            self.wm = tree_ring(sampler, res, 2 if radius is None else radius, channel, key_rng)
         else:
-            self.wm = ShallowDiffuse(sampler, RingKey(res, radius or 3, channel, True, key_rng), t_frac)
+            self.wm = ShallowDiffuse(sampler, RingKey(res, 3 if radius is None else radius, channel, True, key_rng), t_frac)
         self.method, self.p_value, self.analysis = method, p_value, analysis
         self.rank_ts = list(rank_ts) if rank_ts is not None else [0, 100, 200, 300, 500, 700, 900]
         self.rows: list[dict[str, Any]] = []

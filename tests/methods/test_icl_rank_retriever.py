@@ -468,3 +468,8 @@ def test_must_show_sedpo_retrieves_better_one_shot_examples_than_infonce(synthet
     """The downstream claim: the SeDPO retriever's top-1 exemplar gives a higher one-shot accuracy than InfoNCE's."""
     acc = {k: _mean(v, "test/top1_acc") for k, v in synthetic_runs.items()}
     assert acc["sedpo"] >= acc["infonce"], acc
+
+
+def test_scorer_rejects_a_zero_context_length():
+    with pytest.raises(ValueError, match="LikelihoodScorer: max_length=0; allowed: a positive integer"):
+        LikelihoodScorer(backbone_config=TINY_GPT2, tokenizer="all-MiniLM-L6-v2", max_length=0)

@@ -359,3 +359,9 @@ def test_must_show_pointnav_safe_and_better_than_the_fixed_multiplier(pointnav_r
 
     final = {a: statistics.fmean(m["test/J_r_final"] for m in r) for a, r in pointnav_runs.items()}
     assert _violations(pointnav_runs["safe"]) == 0 and final["safe"] > final["pg_lagrange"], final
+
+
+def test_tilt_rejects_rows_that_are_not_distributions():
+    pi0, ar, ac, _c, _occ = _bandit()
+    with pytest.raises(ValueError, match=r"tilt: log_pi0 row 0 sums to 1.5 as probabilities"):
+        tilt((1.5 * pi0).log(), ar, ac, 0.0, 0.1, 0.1)

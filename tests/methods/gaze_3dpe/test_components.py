@@ -171,3 +171,10 @@ def test_landmark_error_is_zero_for_the_truth_and_grows_with_the_parameter_error
     noise = torch.randn(p.shape, generator=g)
     small, large = (float(landmark_error(p + s * noise, p)) for s in (0.01, 0.1))
     assert 0 < small < large
+
+
+def test_angular_loss_rejects_a_zero_target():
+    pred = torch.tensor([[0.0, 0.0, -1.0], [0.1, 0.0, -1.0]])
+    target = torch.tensor([[0.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="angular_loss: target row 1 is the zero vector"):
+        angular_loss(pred, target)
