@@ -265,10 +265,23 @@ def _main(args: Sequence[str] | None) -> int:
             print(interrupted_message(argv, stop.run_dir, stop.cause), file=sys.stderr, flush=True)
         code = stop.cause.code
         return code if isinstance(code, int) and code else 128 + int(signal.SIGTERM)
+    _finish_wandb()
     _close_process_group()
     if run_dir is not None and is_rank_zero():
         print(f"run {run_dir.experiment}/{run_dir.run_id} finished: {run_dir.path}", flush=True)
     return 0
+
+
+def _finish_wandb() -> None:
+    """Finish a W&B run the command started, while the command still runs.
+
+    Left to W&B's exit hook, its closing lines ("wandb sync ...", "Find logs at ...") go to stdout with colour
+    codes even when stdout is a log file; ``wandb.finish()`` prints them through its logger (stderr, plain off a
+    terminal).
+    """
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
 
 
 def _close_process_group() -> None:

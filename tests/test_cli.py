@@ -165,6 +165,8 @@ def test_wandb_offline_without_network_or_key(tmp_path):
     assert len(offline) == 1, list((run / "wandb").iterdir())
     assert (offline[0] / "files" / "lowrank_config.yaml").is_file()
     assert "baseline-mlp_digits-" in offline[0].name  # stable id derived from the run directory
+    # off a terminal W&B's closing lines come plain, on stderr (not coloured on stdout from its exit hook)
+    assert "\x1b[" not in proc.stdout + proc.stderr and "wandb sync" in proc.stderr and "wandb sync" not in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------- bad input
@@ -387,3 +389,29 @@ def test_callback_flag_reaches_the_last_callback_given_before_it(tmp_path):
     assert after.returncode == 2
     assert ("unknown key 'trainer.callbacks.init_args.lam' (not an argument of lightning.pytorch.callbacks.EarlyStopping); "
             "--trainer.callbacks.init_args.* sets the last callback given so far") in after.stderr
+
+
+def test_time_left_is_paced_from_the_first_batch_on():
+    """A 30 s start-up then 1 s per batch for 100 batches: after 10 batches the estimate is 90 s, not the ~360 s the
+    whole elapsed time gives; before the first batch ends it falls back to the elapsed time; none at 0 % or 100 %."""
+    from lowrank_lit.callbacks.progress import time_left
+
+    start, first = 0.0, (31.0, 0.01)  # the first batch ends at 31 s, 1 % done
+    assert time_left(40.0, 0.10, start, first) == pytest.approx(90.0)
+    assert time_left(40.0, 0.10, start, None) == pytest.approx(360.0)
+    assert time_left(5.0, 0.0, start, None) is None and time_left(130.0, 1.0, start, first) is None
+
+
+def test_fit_ending_mid_epoch_is_validated_on_its_final_weights(tmp_path):
+    """``max_steps`` ends fit inside epoch 2 (20 batches per epoch): the last val/* values are from step 30, not the
+    stale ones of the epoch-1 validation; a fit ending at an epoch end is not validated twice."""
+    import csv
+
+    for run_id, extra in (("mid", ["--trainer.max_steps=30", "--trainer.max_epochs=-1"]), ("end", ["--trainer.max_epochs=2"])):
+        proc = _run(["fit", "--config", MLP_CONFIG, *extra, "--test_after_fit=false", "--run_root", tmp_path,
+                     f"--run_id={run_id}"])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r: list(csv.DictReader(open(next(tmp_path.rglob(f"{r}/metrics.csv"))))) for r in ("mid", "end")}
+    val_steps = {r: [int(x["step"]) for x in rows[r] if x.get("val/loss")] for r in rows}
+    assert val_steps["mid"] == [19, 30], val_steps
+    assert len(val_steps["end"]) == 2, val_steps  # one per epoch, none extra

@@ -26,11 +26,23 @@ from typing import Any, TextIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 
-__all__ = ["LogProgress", "format_metrics"]
+__all__ = ["LogProgress", "format_metrics", "time_left"]
 
 
 def _duration(seconds: float) -> str:
     return str(timedelta(seconds=int(max(seconds, 0))))
+
+
+def time_left(now: float, fraction: float, start: float, first_batch: tuple[float, float] | None) -> float | None:
+    """Seconds left at ``fraction`` done (0..1) of a run started at ``start``: the pace since the end of the first
+    batch ``first_batch = (time, fraction)``, which leaves out start-up, data loading warm-up and compilation (they made
+    estimates from the whole elapsed time several times too high on short runs); the whole elapsed time before that.
+    None when nothing or everything is done."""
+    if not 0 < fraction < 1:
+        return None
+    if first_batch is not None and fraction > first_batch[1] and now > first_batch[0]:
+        return (now - first_batch[0]) * (1 - fraction) / (fraction - first_batch[1])
+    return (now - start) * (1 - fraction) / fraction
 
 
 def format_metrics(metrics: dict[str, Any], prefixes: tuple[str, ...] = ("train/", "val/"), per: str = "epoch") -> str:
@@ -82,6 +94,7 @@ class LogProgress(ProgressBar):
         self._start_step = 0
         self._start_epoch = 0
         self._eval_start_time = 0.0
+        self._first_batch: tuple[float, float] | None = None  # (time, fraction done) at the end of the first batch
         self._eval_total: int | None = None
         self._eval_done = 0
 
@@ -104,8 +117,8 @@ class LogProgress(ProgressBar):
     def _epochs(self, trainer: Trainer) -> str:
         return f"{trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else str(trainer.current_epoch + 1)
 
-    def _remaining(self, trainer: Trainer, epoch_done: bool) -> str:
-        elapsed = time.monotonic() - self._start
+    def _fraction(self, trainer: Trainer, epoch_done: bool) -> float:
+        """The share of this fit (since it started or resumed) that is done, by steps or epochs, whichever is further."""
         fractions = []
         if trainer.max_steps and trainer.max_steps > 0 and trainer.global_step > self._start_step:
             fractions.append((trainer.global_step - self._start_step) / max(trainer.max_steps - self._start_step, 1))
@@ -115,14 +128,20 @@ class LogProgress(ProgressBar):
             done = trainer.current_epoch + (1.0 if epoch_done else within)
             if trainer.max_epochs > self._start_epoch:
                 fractions.append((done - self._start_epoch) / (trainer.max_epochs - self._start_epoch))
-        fraction = max(fractions) if fractions else 0.0
-        left = f"  left ~{_duration(elapsed * (1 - fraction) / fraction)}" if 0 < fraction < 1 else ""
-        return f"elapsed {_duration(elapsed)}{left}"
+        return max(fractions) if fractions else 0.0
+
+    def _remaining(self, trainer: Trainer, epoch_done: bool) -> str:
+        now = time.monotonic()
+        elapsed = now - self._start
+        fraction = self._fraction(trainer, epoch_done)
+        left = time_left(now, fraction, self._start, self._first_batch)
+        return f"elapsed {_duration(elapsed)}" + (f"  left ~{_duration(left)}" if left is not None else "")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = self._last_line = time.monotonic()
         self._start_step = trainer.global_step
         self._start_epoch = trainer.current_epoch
+        self._first_batch = None
         what = f"{trainer.max_epochs} epoch" + ("s" if trainer.max_epochs != 1 else "") if trainer.max_epochs and trainer.max_epochs > 0 else f"{trainer.max_steps} steps"
         batches = self.total_train_batches
         per_epoch = f", {batches} batches per epoch" if isinstance(batches, int) else ""
@@ -131,6 +150,8 @@ class LogProgress(ProgressBar):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.monotonic()
+        if self._first_batch is None:  # the time estimate is calibrated from here on (start-up and warm-up excluded)
+            self._first_batch = (now, self._fraction(trainer, epoch_done=False))
         by_steps = self.every_n_steps and trainer.global_step > 0 and trainer.global_step % self.every_n_steps == 0
         by_time = self.every_n_seconds and now - self._last_line >= self.every_n_seconds
         total = self.total_train_batches

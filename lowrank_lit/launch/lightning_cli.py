@@ -81,7 +81,8 @@ class LowrankCLI(LightningCLI):
             {"exit_on_error": False, "allow_abbrev": False, **{c: {"allow_abbrev": False} for c in LIGHTNING_COMMANDS}},
         )
         # RNG states travel with every checkpoint, so resuming is exact (added to every run)
-        kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint()]})
+        # and the step of the last validation is recorded (a fit ending mid-epoch is validated once more, after_fit)
+        kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint(), _LastValidation()]})
         try:
             super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
         except SIGTERMException as exc:  # stopped by a signal: say where the run was writing
@@ -129,8 +130,25 @@ class LowrankCLI(LightningCLI):
 
     def after_fit(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        if cfg.get("test_after_fit") and not self.trainer.interrupted:
+        if self.trainer.interrupted:
+            return
+        self._validate_final_weights()
+        if cfg.get("test_after_fit"):
             self.trainer.test(self.model, datamodule=self.datamodule, verbose=True, ckpt_path=self._final_weights())
+
+    def _validate_final_weights(self) -> None:
+        """Validate once more when fit ended after its last validation (``max_steps`` mid-epoch, or
+        ``check_val_every_n_epoch`` skipping the last epoch), so the run's last ``val/*`` values describe the weights
+        it ends with, as a sweep reading them assumes."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        trainer = self.trainer
+        tracker = next((c for c in trainer.callbacks if isinstance(c, _LastValidation)), None)
+        if tracker is None or tracker.step == trainer.global_step or trainer.global_step == 0:
+            return
+        if not is_overridden("validation_step", self.model) or not any(n > 0 for n in trainer.num_val_batches or [0]):
+            return
+        trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
 
     def _final_weights(self) -> str | None:
         """The checkpoint holding the weights fit ended with, for ``trainer.test``; None means the model as it is.
@@ -363,6 +381,17 @@ class LowrankCLI(LightningCLI):
         args.resume = args.get("resume") or "allow"  # a requeued SLURM job continues the same W&B run
         if args.get("project") in (None, "lightning_logs"):
             args.project = "lowrank_lit"
+
+
+class _LastValidation(pl.Callback):
+    """Records the global step of the last validation run inside fit (sanity check excluded)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self.step = trainer.global_step
 
 
 class RunStopped(Exception):

@@ -530,7 +530,8 @@ class SkrullSFTModule(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         total = sum(float(micro_batch_loss(self.model, seqs, batch["global_targets"])) for seqs in batch["micro_batches"])
-        self.log("val/loss", self.trainer.strategy.reduce(torch.tensor(total), reduce_op="sum"), prog_bar=True, batch_size=1)
+        self.log("val/loss", self.trainer.strategy.reduce(torch.tensor(total), reduce_op="sum"), prog_bar=True, batch_size=1,
+                 sync_dist=True)  # already summed over ranks: the mean over ranks of equal values changes nothing
 
 
 def plot_plan(lengths: Sequence[int], plans: dict[str, Sequence[MicroBatch]], cost: SkrullCostModel, cp: int, out: str,

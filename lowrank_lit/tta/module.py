@@ -6,8 +6,8 @@ The module wraps a source-trained network (its weights come from the checkpoint 
 and then adapted on, in stream order. Batches are ``(x, y, domain, recurrence)`` as produced by
 :class:`lowrank_lit.data.corruptions.DigitsCorruptionDataModule`.
 
-Logged: ``test/error`` (running), and at the end ``test/error_mean``, ``test/error_last`` (the last
-recurrence), per-recurrence ``test/error_r<k>``, the accuracy per domain ``test/acc_<corruption>`` and their
+Logged: ``test/error`` (the stream's error, weighted by batch size; shown while it runs), and at the end
+``test/error_last`` (the last recurrence), per-recurrence ``test/error_r<k>``, the accuracy per domain ``test/acc_<corruption>`` and their
 mean ``test/acc_domains``, and, for a plug-in that routes batches to clusters,
 ``test/clusters`` (clusters that received batches), ``test/models`` (copies held, the source's included)
 and ``test/purity``. Written to the run directory: ``tta_batches.csv`` (one row per batch: error,
@@ -135,7 +135,6 @@ class TTAModule(pl.LightningModule):
         per_rec = {k: sum(r["error"] for r in self.rows if r["recurrence"] == k) / sum(1 for r in self.rows if r["recurrence"] == k) for k in recs}
         for k, v in per_rec.items():
             self.log(f"test/error_r{k}", v)
-        self.log("test/error_mean", sum(r["error"] for r in self.rows) / len(self.rows))
         self.log("test/error_last", per_rec[recs[-1]])
         names = self._domain_names()
         accs = []

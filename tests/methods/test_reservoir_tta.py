@@ -322,6 +322,13 @@ def test_tta_config_runs(name, source_ckpt, run_root):
     with open(run / "tta_batches.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * 6 * 2 and (run / "tta_recurrence.png").is_file()
+    from lowrank_lit.report import last_values
+
+    logged = last_values(run / "metrics.csv")
+    assert [k for k in logged if k.startswith("test/error") and not k.startswith(("test/error_r", "test/error_last"))] == [
+        "test/error"]  # the stream's error under one name
+    weighted = sum(float(r["error"]) * int(r["n"]) for r in rows) / sum(int(r["n"]) for r in rows)
+    assert logged["test/error"] == pytest.approx(weighted, abs=1e-6)
 
 
 def test_tta_needs_gradients_in_test(source_ckpt, run_root):

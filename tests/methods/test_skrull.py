@@ -238,6 +238,25 @@ def test_config_runs_and_schedules_agree(name, run_root):
     assert losses and all(0 < v < 6 for v in losses)
 
 
+def test_ddp_run_logs_without_the_sync_dist_warning(tmp_path):
+    """Two DDP processes: the validation loss (summed over ranks by the module) is logged without Lightning's
+    "use sync_dist=True" warning, and the run finishes."""
+    import subprocess
+    import sys
+
+    from tests.helpers import CONFIGS, ROOT
+
+    env = {**os.environ, "PL_DISABLE_FORK": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("LOWRANK_RUN_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "fit", "--config", str(CONFIGS / "skrull" / "sft_skrull.yaml"),
+                           "--trainer.max_steps=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2",
+                           "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu",
+                           "--data.init_args.num_sequences=96", "--run_root", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "sync_dist=True" not in proc.stderr, proc.stderr[-2000:]
+
+
 # -- must show (card section 4a) ---------------------------------------------------------------------------
 
 @pytest.mark.slow
