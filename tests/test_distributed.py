@@ -34,8 +34,8 @@ def _dry_run(*args):
 
 
 def test_submit_dry_run_matches_counts():
-    script = _dry_run("--config", "configs/baseline/vit_tiny_digits.yaml", "--nodes", "2", "--gpus-per-node", "4",
-                      "--time", "02:00:00", "--partition", "gpu", "--account", "lab")
+    script = _dry_run("--config", "configs/baseline/vit_tiny_digits.yaml", "--config", "configs/base/trainer_gpu.yaml",
+                      "--nodes", "2", "--gpus-per-node", "4", "--time", "02:00:00", "--partition", "gpu", "--account", "lab")
     assert "#SBATCH --nodes=2" in script
     assert "#SBATCH --ntasks-per-node=4" in script and "#SBATCH --gres=gpu:4" in script
     assert "#SBATCH --signal=SIGUSR1@90" in script and "#SBATCH --requeue" in script
@@ -44,7 +44,47 @@ def test_submit_dry_run_matches_counts():
     launch = next(ln for ln in script.splitlines() if "lowrank_lit fit" in ln)
     assert launch.startswith("srun --kill-on-bad-exit=1 ")
     assert "--trainer.num_nodes=2" in launch and "--trainer.devices=4" in launch and "--trainer.strategy=ddp" in launch
-    assert "--config configs/baseline/vit_tiny_digits.yaml" in launch
+    assert "--config configs/baseline/vit_tiny_digits.yaml" in launch and "--trainer.accelerator=gpu" in launch
+
+
+def test_submit_cpu_config_asks_for_no_gpu(tmp_path):
+    script = _dry_run("--config", "configs/baseline/vit_tiny_digits.yaml", "--run-root", str(tmp_path))
+    assert "--gres" not in script and "--trainer.accelerator=cpu" in script
+    sweep = _dry_run("--sweep", "sweeps/baseline_mlp_digits.yaml", "--array", "2", "--run-root", str(tmp_path))
+    assert "--gres" not in sweep
+    launch = next(ln for ln in sweep.splitlines() if "lowrank_lit sweep" in ln)
+    assert launch.startswith("srun --kill-on-bad-exit=1 ") and "--trainer.accelerator=cpu" in launch
+
+
+def test_submitted_script_runs_and_its_log_lands(tmp_path):
+    """The script `lowrank submit` writes, run by a stand-in `sbatch` (SLURM's --output file, opened before the
+    script starts, and SLURM_JOB_ID) and `srun` (runs its command): the log folder exists at submit time, the run
+    trains in runs/<experiment>/<job id>/ and its lines land in the log."""
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/bash\n"
+        "script=$1; out=$(sed -n 's/^#SBATCH --output=//p' \"$script\"); name=$(sed -n 's/^#SBATCH --job-name=//p' \"$script\")\n"
+        "out=${out//%x/$name}; out=${out//%j/4242}\n"
+        "[ -d \"$(dirname \"$out\")\" ] || { echo \"sbatch: error: log folder $(dirname \"$out\") missing\" >&2; exit 1; }\n"
+        "SLURM_JOB_ID=4242 SLURM_JOB_NAME=$name bash \"$script\" > \"$out\" 2>&1\n"
+        "echo \"Submitted batch job 4242\"\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nexec \"$@\"\n")
+    for f in ("sbatch", "srun"):
+        (bin_dir / f).chmod((bin_dir / f).stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    env.pop("LOWRANK_RUN_DIR", None)
+    runs = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "submit", "--config", str(MLP_CONFIG), "--run-root",
+                           str(runs), "--", "--trainer.max_epochs=1", "--test_after_fit=false"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and "Submitted batch job 4242" in proc.stdout, proc.stdout + proc.stderr
+    (log,) = (runs / "baseline" / "mlp_digits" / "slurm").glob("*-4242.out")
+    text = log.read_text()
+    assert "run baseline/mlp_digits/4242 finished" in text and "epoch 1/1" in text, text[-2000:]
+    assert (runs / "baseline" / "mlp_digits" / "4242" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_submit_sweep_array():

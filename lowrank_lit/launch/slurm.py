@@ -54,8 +54,12 @@ def render_script(
     storage: str | None = None,
     study_name: str | None = None,
     trials_per_task: int | None = None,
+    accelerator: str = "gpu",
 ) -> str:
-    """The sbatch script text (see the module docstring)."""
+    """The sbatch script text (see the module docstring). ``accelerator="cpu"`` asks for no GPU (no ``--gres``) and
+    runs ``gpus_per_node`` CPU processes per node."""
+    if accelerator not in ("gpu", "cpu"):
+        raise ValueError(f"lowrank submit: --accelerator={accelerator!r}; allowed: gpu, cpu")
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"lowrank submit: --nodes={nodes} and --gpus-per-node={gpus_per_node} must be >= 1")
     if not _TIME_RE.match(time_limit):
@@ -76,21 +80,24 @@ def render_script(
                study_name or Path(sweep).stem]
         if trials_per_task:
             cmd += ["--n-trials", str(trials_per_task)]
-        launch = shlex.join(cmd) + ' --seed "$SLURM_ARRAY_TASK_ID"'
+        # srun makes the worker a job step: SLURM's signals (the time limit's SIGUSR1) and accounting reach it
+        launch = shlex.join(["srun", "--kill-on-bad-exit=1", *cmd]) + ' --seed "$SLURM_ARRAY_TASK_ID"'
+        launch += f" --trainer.accelerator={accelerator}"
         if gpus_per_node > 1 or nodes > 1:
             launch += f" --trainer.devices={gpus_per_node} --trainer.num_nodes={nodes}"
     else:
         ntasks = gpus_per_node
+        strategy = ["--trainer.strategy=ddp"] if nodes * gpus_per_node > 1 or accelerator == "gpu" else []
         cmd = ["srun", "--kill-on-bad-exit=1", python, "-m", "lowrank_lit", *(fit_args or []),
-               f"--trainer.num_nodes={nodes}", f"--trainer.devices={gpus_per_node}", "--trainer.strategy=ddp",
-               "--trainer.accelerator=gpu"]
+               f"--trainer.num_nodes={nodes}", f"--trainer.devices={gpus_per_node}", *strategy,
+               f"--trainer.accelerator={accelerator}"]
         launch = shlex.join(cmd)
     return _template().format(
         script="<this file>",
         job_name=job_name,
         nodes=nodes,
         ntasks_per_node=ntasks,
-        gpus_per_node=gpus_per_node,
+        gres=f"#SBATCH --gres=gpu:{gpus_per_node}\n" if accelerator == "gpu" else "",
         cpus_per_task=cpus_per_task,
         time=time_limit,
         log_dir=log_dir,
@@ -98,6 +105,30 @@ def render_script(
         workdir=shlex.quote(workdir or os.getcwd()),
         launch=launch,
     )
+
+
+def _sweep_configs(sweep: str | None) -> list[str]:
+    """The ``--config`` files of a sweep file's command (its trials' base configs)."""
+    if not sweep or not Path(sweep).is_file():
+        return []
+    import yaml
+
+    command = (yaml.safe_load(Path(sweep).read_text()) or {}).get("command") or []
+    return [str(command[i + 1]) for i, a in enumerate(command[:-1]) if a in ("--config", "-c")]
+
+
+def _config_accelerator(configs: list[str]) -> str:
+    """``cpu`` when the last of ``configs`` that sets ``trainer.accelerator`` says cpu, else ``gpu``."""
+    import yaml
+
+    accel = None
+    for c in configs:
+        try:
+            trainer = (yaml.safe_load(Path(c).read_text()) or {}).get("trainer") or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        accel = trainer.get("accelerator", accel)
+    return "cpu" if str(accel).lower() == "cpu" else "gpu"
 
 
 def main(argv: list[str]) -> int:
@@ -117,7 +148,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--account", default=None, help="SLURM account")
     parser.add_argument("--job-name", default=None, help="job name (default: the experiment or sweep name)")
     parser.add_argument("--run-root", default="runs", help="run root (default: runs)")
-    parser.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    parser.add_argument("--accelerator", choices=["gpu", "cpu"], default=None,
+                        help="what each task runs on (default: the config's trainer.accelerator: cpu asks for no GPU, "
+                        "gpu/cuda/auto/unset ask for --gpus-per-node GPUs)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the script instead of submitting it (its log folder is created, as for a submit)")
     opts, extra = parser.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -139,14 +174,18 @@ def main(argv: list[str]) -> int:
         name = experiment_from_configs(opts.config)
         folder = Path(opts.run_root) / name
         storage = None
+    configs = opts.config or _sweep_configs(opts.sweep)
+    accelerator = opts.accelerator or _config_accelerator(configs)
+    log_dir = (folder / "slurm").resolve()  # SLURM opens the --output file before the script runs: it must exist
+    log_dir.mkdir(parents=True, exist_ok=True)
     fit_args = ["fit", *[a for c in opts.config for a in ("--config", c)], "--run_root", opts.run_root, *extra]
     try:
         script = render_script(
             fit_args=fit_args, sweep=opts.sweep, array=opts.array, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node,
             cpus_per_task=opts.cpus_per_task, time_limit=opts.time, partition=opts.partition, account=opts.account,
-            job_name=opts.job_name or name.replace("/", "-"), log_dir=str(folder / "slurm"), storage=storage,
+            job_name=opts.job_name or name.replace("/", "-"), log_dir=str(log_dir), storage=storage,
             study_name=opts.study_name or (Path(opts.sweep).stem if opts.sweep else None),
-            trials_per_task=opts.trials_per_task,
+            trials_per_task=opts.trials_per_task, accelerator=accelerator,
         )
     except ValueError as exc:
         print(f"{exc}", file=sys.stderr)
@@ -161,8 +200,7 @@ def main(argv: list[str]) -> int:
         print("lowrank submit: error: `sbatch` not found on PATH (not on a SLURM login node?); "
               "use --dry-run to print the script", file=sys.stderr)
         return 2
-    path = folder / "slurm" / f"{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     path.write_text(script.replace("<this file>", str(path)))
     out = subprocess.run([sbatch, str(path)], capture_output=True, text=True, check=False)
     print(out.stdout.strip() or out.stderr.strip())

@@ -3,8 +3,7 @@
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node={ntasks_per_node}
-#SBATCH --gres=gpu:{gpus_per_node}
-#SBATCH --cpus-per-task={cpus_per_task}
+{gres}#SBATCH --cpus-per-task={cpus_per_task}
 #SBATCH --time={time}
 #SBATCH --signal=SIGUSR1@90
 #SBATCH --requeue
