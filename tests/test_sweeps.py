@@ -345,3 +345,41 @@ def test_command_line_flag_on_an_unswept_key_is_passed_on(tmp_path):
 
     spec = load_sweep(_sweep(tmp_path, "trainer.max_epochs:\n  values: [1, 2]\n"))
     assert flag_clashes(spec, ["--trainer.max_steps=5", "--config", "callbacks/wandb.yaml", "--trainer.max_epochsx=1"]) == []
+
+
+#: a sampler seed whose first pick of a two-point grid is its first point
+GOOD_FIRST = next(s for s in range(100) if __import__("numpy").random.default_rng(s).integers(2) == 0)
+
+
+def test_early_terminate_prunes_a_bad_trial_before_its_last_epoch(tmp_path):
+    """`early_terminate: {type: hyperband}` offline: every trial reports val/loss after each validation round; a trial
+    far behind a finished one (lr 1e-6 vs 1e-2) is stopped by optuna's HyperbandPruner after round 1 of 3, recorded as
+    PRUNED in the study and the table, and is not run again."""
+    import csv
+    from pathlib import Path
+
+    runs = tmp_path / "runs"
+    early = "early_terminate:\n  type: hyperband\n  min_iter: 1\n  max_iter: 2\n  eta: 3\n"
+    extra = ["--trainer.max_epochs=3", "--test_after_fit=false"]
+    path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  values: [1.0e-2, 1.0e-6]\n")
+    path.write_text(path.read_text() + early)
+    code, out, err = _sweep_cli(path, runs, [*extra, "--seed", str(GOOD_FIRST)])  # the good trial runs first
+    assert code == 0, out + err
+    assert "| PRUNED (after validation round 1) |" in out, out
+    study = _study(runs)
+    states = {t.params["model.init_args.optimizer.init_args.lr"]: t for t in study.get_trials()}
+    assert states[1e-2].state.name == "COMPLETE" and sorted(states[1e-2].intermediate_values) == [1, 2, 3]
+    bad = states[1e-6]
+    assert bad.state.name == "PRUNED" and bad.user_attrs["pruned_at"] == 1 and list(bad.intermediate_values) == [1]
+    with open(next(Path(bad.user_attrs["run_dir"]).glob("metrics.csv"))) as f:
+        epochs = {int(r["epoch"]) for r in csv.DictReader(f) if r.get("val/loss")}
+    assert epochs == {0}  # stopped after its first epoch of three
+    code, out, _ = _sweep_cli(path, runs, [*extra, "--seed", str(GOOD_FIRST)])  # nothing left to run: the pruned trial counts as done
+    assert code == 0 and len(study.get_trials()) == len(_study(runs).get_trials())
+
+
+def test_bad_early_terminate_is_one_line_error(tmp_path):
+    path = _sweep(tmp_path, "trainer.max_epochs:\n  values: [1]\n")
+    path.write_text(path.read_text() + "early_terminate:\n  type: median\n")
+    with pytest.raises(SweepError, match=r"early_terminate=.*allowed: \{type: hyperband"):
+        load_sweep(path)

@@ -9,6 +9,7 @@ without parsing or running anything (the sweep runner checks swept values with i
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from typing import Any
@@ -45,6 +46,7 @@ from lowrank_lit.launch.run_dir import (
     resolve_run_dir,
     slurm_run_id,
 )
+from lowrank_lit.launch.sweep import PRUNE_ENV
 
 __all__ = ["LowrankCLI", "RunStopped", "build_parser", "run_command"]
 
@@ -285,6 +287,9 @@ class LowrankCLI(LightningCLI):
                     init_args=Namespace(every_n_train_steps=int(every)),
                 )
             )
+        if subcommand == "fit" and os.environ.get(PRUNE_ENV):  # a sweep trial with early_terminate
+            entries.append(Namespace(class_path="lowrank_lit.launch.pruning.SweepPruning",
+                                     init_args=Namespace(**json.loads(os.environ[PRUNE_ENV]))))
         wants_bar = trainer_cfg.get("enable_progress_bar") is not False
         if wants_bar and not any(issubclass(c, ProgressBar) for c in classes) and not stdout_is_terminal():
             entries.append(Namespace(class_path="lowrank_lit.callbacks.LogProgress", init_args=Namespace()))

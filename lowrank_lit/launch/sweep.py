@@ -63,6 +63,8 @@ METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
 DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "categorical")
 ARGS_MACRO = "${args}"
+#: environment variable that hands a trial its study (JSON: storage, study, trial_id, metric, early_terminate)
+PRUNE_ENV = "LOWRANK_SWEEP_PRUNE"
 #: the swept key whose values are config files layered on the command's (``--config=<file>``)
 CONFIG_KEY = "config"
 
@@ -96,6 +98,9 @@ class SweepSpec:
         parameters: dotted CLI key -> W&B parameter spec.
         fit_args: the ``lowrank`` arguments fixed by the command (``fit --config ...``).
         run_cap: W&B's optional cap on the number of runs.
+        early_terminate: W&B's ``early_terminate`` (``{type: hyperband, min_iter|max_iter, eta}``), or None. Offline it
+            becomes optuna's ``HyperbandPruner``: each trial reports the metric at every validation and stops when
+            the pruner says so (recorded as ``PRUNED``).
     """
 
     path: Path
@@ -106,6 +111,7 @@ class SweepSpec:
     fit_args: list[str]
     run_cap: int | None = None
     raw: dict[str, Any] = field(default_factory=dict)
+    early_terminate: dict[str, Any] | None = None
 
     def grid_points(self) -> list[dict[str, Any]]:
         """Every combination of the ``values`` lists (grid sweeps)."""
@@ -177,7 +183,45 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     start = command.index(subcommands[0])
     fit_args = [str(c) for c in command[start:] if c != ARGS_MACRO and not str(c).startswith("${")]
     run_cap = raw.get("run_cap")
-    return SweepSpec(path, method, metric["name"], goal, params, fit_args, run_cap, raw)
+    early = _check_early_terminate(path, raw.get("early_terminate"))
+    return SweepSpec(path, method, metric["name"], goal, params, fit_args, run_cap, raw, early)
+
+
+def _check_early_terminate(path: Path, early: Any) -> dict[str, Any] | None:
+    """W&B's ``early_terminate`` block, validated: ``type: hyperband`` with ``min_iter`` (or ``max_iter``) and ``eta``."""
+    if early is None:
+        return None
+    if not isinstance(early, dict) or early.get("type") != "hyperband":
+        raise _fail(path, f"early_terminate={early!r}; allowed: {{type: hyperband, min_iter: N, eta: 3}} (W&B's only type)")
+    unknown = sorted(set(early) - {"type", "min_iter", "max_iter", "eta", "s", "strict"})
+    if unknown:
+        raise _fail(path, f"early_terminate: unknown key(s) {unknown}; allowed: type, min_iter, max_iter, eta, s, strict")
+    for key in ("min_iter", "max_iter", "s"):
+        v = early.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise _fail(path, f"early_terminate.{key}={v!r}; allowed: an integer >= 1")
+    if early.get("min_iter") is None and early.get("max_iter") is None:
+        raise _fail(path, "early_terminate needs min_iter or max_iter (validation rounds)")
+    eta = early.get("eta", 3)
+    if not isinstance(eta, int | float) or isinstance(eta, bool) or eta < 2:
+        raise _fail(path, f"early_terminate.eta={eta!r}; allowed: a number >= 2")
+    return dict(early)
+
+
+def make_pruner(early: dict[str, Any] | None) -> Any:
+    """The optuna pruner of a sweep's ``early_terminate`` (None: no pruning). The resource is the number of
+    validation rounds a trial has reported; W&B's ``min_iter`` is the first rung, ``max_iter`` the longest run
+    (with only ``max_iter``, the first rung is ``max_iter / eta**s``, ``s`` = 3 brackets by default)."""
+    import optuna
+
+    if early is None:
+        return optuna.pruners.NopPruner()
+    eta = early.get("eta", 3)
+    min_iter, max_iter = early.get("min_iter"), early.get("max_iter")
+    if min_iter is None:
+        min_iter = max(1, int(max_iter / eta ** early.get("s", 3)))
+    return optuna.pruners.HyperbandPruner(min_resource=min_iter, max_resource=max_iter or "auto",
+                                          reduction_factor=eta)
 
 
 def _check_param(path: Path, key: str, p: Any, method: str) -> None:
@@ -433,11 +477,13 @@ def flag_clashes(spec: SweepSpec, extra_args: Sequence[str]) -> list[tuple[str, 
 
 def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_name: str, run_root: Path,
               wandb: bool, extra_args: list[str], log_dir: Path, resume_run_id: str | None = None,
-              stop: _Stop | None = None) -> TrialResult:
+              stop: _Stop | None = None, prune: dict[str, Any] | None = None) -> TrialResult:
     """Run one ``lowrank fit`` subprocess and read its objective.
 
     ``resume_run_id`` continues that run directory from its ``last.ckpt`` (an interrupted trial run again).
     With ``stop``, a signal to the sweep is passed on to the trial; the result is then ``INTERRUPTED``.
+    With ``prune`` (storage, study, trial id, metric, early_terminate), the trial reports the metric to the study at
+    every validation and stops when the pruner says so (:class:`lowrank_lit.callbacks.SweepPruning`).
     """
     run_id = resume_run_id or f"{study_name}-t{number:04d}-{secrets.token_hex(2)}"
     args = [sys.executable, "-m", "lowrank_lit", *spec.fit_args]
@@ -451,6 +497,9 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
         args += ["--ckpt_path", "last"]
     env = {**os.environ, "WANDB_RUN_GROUP": study_name}
     env.pop("LOWRANK_RUN_DIR", None)
+    env.pop(PRUNE_ENV, None)
+    if prune is not None:
+        env[PRUNE_ENV] = json.dumps(prune)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{run_id}.log"
     with log_path.open("a" if resume_run_id else "w") as log:
@@ -527,12 +576,21 @@ def _interrupted(trial: Any) -> bool:
     return trial.state == optuna.trial.TrialState.FAIL and bool(trial.user_attrs.get("interrupted"))
 
 
+def _early_stopped(trial: Any) -> bool:
+    """Stopped by the pruner (``early_terminate``), not a duplicate grid point (also recorded as pruned)."""
+    import optuna
+
+    return trial.state == optuna.trial.TrialState.PRUNED and "pruned_at" in trial.user_attrs
+
+
 def _finished(trial: Any) -> bool:
-    """Complete, or crashed (a failure that is not an interruption): such a trial is never run again."""
+    """Complete, stopped early by the pruner, or crashed (a failure that is not an interruption): such a trial is
+    never run again."""
     import optuna
 
     state = trial.state
-    return state == optuna.trial.TrialState.COMPLETE or (state == optuna.trial.TrialState.FAIL and not _interrupted(trial))
+    return (state == optuna.trial.TrialState.COMPLETE or _early_stopped(trial)
+            or (state == optuna.trial.TrialState.FAIL and not _interrupted(trial)))
 
 
 def _taken(trial: Any) -> bool:
@@ -635,7 +693,7 @@ def run_sweep(
     if "://" not in storage:
         Path(storage).parent.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=study_name, storage=_storage(storage),
+    study = optuna.create_study(study_name=study_name, storage=_storage(storage), pruner=make_pruner(spec.early_terminate),
                                 direction="minimize" if spec.goal == "minimize" else "maximize", load_if_exists=True)
     # a restart must not draw the points of the first start again: the seed moves on with the study
     base = 0 if seed is None else seed
@@ -658,15 +716,25 @@ def run_sweep(
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                 continue
             trial.set_user_attr("overrides", overrides_to_args(params))
+            prune = None if spec.early_terminate is None else {
+                "storage": storage, "study": study_name, "trial_id": trial._trial_id, "metric": spec.metric,
+                "early_terminate": spec.early_terminate}
             res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
                             extra_args=list(extra_args or []), log_dir=sweep_folder(run_root, study_name) / "logs",
-                            resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop)
+                            resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop, prune=prune)
+            pruned_at = study._storage.get_trial(trial._trial_id).user_attrs.get("pruned_at")
+            if pruned_at is not None and res.state == "COMPLETE":
+                res = TrialResult(res.number, res.params, "PRUNED", res.value, res.run_dir,
+                                  f"stopped early by the pruner after validation round {pruned_at}")
             results.append(res)
             print(_trial_line(res, spec.metric), flush=True)
             if res.run_dir:
                 trial.set_user_attr("run_dir", res.run_dir)
             if res.state == "COMPLETE":
                 study.tell(trial, float(res.value))
+                continue
+            if res.state == "PRUNED":
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                 continue
             trial.set_user_attr("error", res.error)
             if res.state == "INTERRUPTED":
@@ -716,7 +784,7 @@ def summary_table(spec: SweepSpec, study: Any) -> str:
     """A markdown table of every trial in the study (all workers), best first."""
     import optuna
 
-    trials = [t for t in study.get_trials(deepcopy=False) if t.state != optuna.trial.TrialState.PRUNED]
+    trials = [t for t in study.get_trials(deepcopy=False) if t.state != optuna.trial.TrialState.PRUNED or _early_stopped(t)]
     done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     done.sort(key=lambda t: t.value, reverse=spec.goal == "maximize")
     rest = [t for t in trials if t.state != optuna.trial.TrialState.COMPLETE]
@@ -724,8 +792,12 @@ def summary_table(spec: SweepSpec, study: Any) -> str:
     lines = ["| trial | state | " + " | ".join(keys) + f" | {spec.metric} |", "|" + "---|" * (len(keys) + 3)]
     for t in done + rest:
         vals = [format_value(trial_value(spec, k, t.params.get(k))) for k in keys]
-        value = f"{t.value:.4f}" if t.value is not None else "-"
+        last = t.value if t.value is not None else (t.intermediate_values[max(t.intermediate_values)]
+                                                     if t.intermediate_values else None)
+        value = f"{last:.4f}" if last is not None else "-"
         state = "INTERRUPTED" if _interrupted(t) else t.state.name
+        if _early_stopped(t):
+            state = f"PRUNED (after validation round {t.user_attrs['pruned_at']})"
         if "rerun_of" in t.user_attrs:
             state += f" (rerun of {t.user_attrs['rerun_of']})"
         lines.append(f"| {t.number} | {state} | " + " | ".join(vals) + f" | {value} |")
