@@ -26,6 +26,7 @@ from lowrank_lit.callbacks.resume import ResumeCheckpoint
 from lowrank_lit.callbacks.rng import RNGStateCheckpoint
 from lowrank_lit.launch.checks import (
     LIGHTNING_COMMANDS,
+    PRUNE_ENV,
     ConfigError,
     check_input_files,
     check_values,
@@ -46,7 +47,6 @@ from lowrank_lit.launch.run_dir import (
     resolve_run_dir,
     slurm_run_id,
 )
-from lowrank_lit.launch.sweep import PRUNE_ENV
 
 __all__ = ["LowrankCLI", "RunStopped", "build_parser", "run_command"]
 

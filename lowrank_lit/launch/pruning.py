@@ -16,7 +16,8 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lowrank_lit.launch.sweep import PRUNE_ENV, _storage, make_pruner
+from lowrank_lit.launch.checks import PRUNE_ENV
+from lowrank_lit.launch.sweep import _storage, make_pruner
 
 __all__ = ["SweepPruning"]
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import yaml
 
+from lowrank_lit.launch.checks import PRUNE_ENV
 from lowrank_lit.report import read_metric
 
 __all__ = ["SweepSpec", "SweepError", "SweepStopped", "load_sweep", "format_value", "run_sweep", "sweep_folder", "default_storage", "main"]
@@ -63,8 +64,6 @@ METHODS = ("grid", "random", "bayes")
 GOALS = ("minimize", "maximize")
 DISTRIBUTIONS = ("uniform", "log_uniform_values", "int_uniform", "q_uniform", "categorical")
 ARGS_MACRO = "${args}"
-#: environment variable that hands a trial its study (JSON: storage, study, trial_id, metric, early_terminate)
-PRUNE_ENV = "LOWRANK_SWEEP_PRUNE"
 #: the swept key whose values are config files layered on the command's (``--config=<file>``)
 CONFIG_KEY = "config"
 
