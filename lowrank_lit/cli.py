@@ -240,6 +240,20 @@ def _main(args: Sequence[str] | None) -> int:
             file=sys.stderr,
         )
         return 2
+    rest = argv[1:]
+    wants_help = any(a in ("-h", "--help") or a.split("=", 1)[0].endswith(".help") for a in rest)
+    if not wants_help and not config_files(rest) and not any(a.startswith(("--model", "--data")) for a in rest):
+        print(f"lowrank {argv[0]}: error: no --config given; run e.g. lowrank {argv[0]} --config "
+              "configs/baseline/mlp_digits.yaml (`lowrank list` shows every method's configs, "
+              f"`lowrank {argv[0]} --help` every option)", file=sys.stderr)
+        return 2
+    if rest in (["--help"], ["-h"]):
+        print(_cached_help(argv[0]), end="")
+        return 0
+    if wants_help:  # every registered class is imported, so the help lists every subclass an argument accepts
+        from lowrank_lit import registry
+
+        registry.load_all()
     missing = [c for c in config_files(argv[1:]) if not Path(c).is_file()]
     if missing:  # answered before Lightning is imported
         print(f"lowrank {argv[0]}: error: --config: file {missing[0]!r} does not exist", file=sys.stderr)
@@ -270,6 +284,61 @@ def _main(args: Sequence[str] | None) -> int:
     if run_dir is not None and is_rank_zero():
         print(f"run {run_dir.experiment}/{run_dir.run_id} finished: {run_dir.path}", flush=True)
     return 0
+
+
+def _help_cache_path(command: str) -> Path:
+    """Where ``lowrank <command> --help`` is cached: keyed on the versions of lowrank_lit, Lightning and jsonargparse,
+    the newest source file of the package, the Python version and the terminal width (stale text is never shown)."""
+    import hashlib
+    import importlib.metadata as md
+    import shutil
+
+    from lowrank_lit import __version__
+
+    package = Path(__file__).resolve().parent
+    newest = max(p.stat().st_mtime_ns for p in package.rglob("*.py"))
+    versions = []
+    for dist in ("lightning", "jsonargparse"):
+        try:
+            versions.append(md.version(dist))
+        except md.PackageNotFoundError:
+            versions.append("-")
+    key = "|".join(map(str, (__version__, *versions, newest, sys.version, shutil.get_terminal_size().columns, package)))
+    root = os.environ.get("LOWRANK_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowrank_lit"
+    return Path(root) / "help" / f"{command}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
+
+
+def _cached_help(command: str) -> str:
+    """``lowrank <command> --help``: LightningCLI's full help (every option, every registered subclass), built once
+    (importing Lightning and every method, several seconds) and then read from the cache (a fraction of a second)."""
+    import contextlib
+    import io
+
+    path = _help_cache_path(command)
+    if path.is_file():
+        return path.read_text()
+    from lowrank_lit import registry
+    from lowrank_lit.launch.lightning_cli import run_command
+
+    registry.load_all()
+    buf = io.StringIO()
+    argv, sys.argv = sys.argv, [sys.argv[0], command, "--help"]  # LightningCLI reads sys.argv itself
+    try:
+        with contextlib.redirect_stdout(buf):
+            run_command(None)
+    except SystemExit:
+        pass
+    finally:
+        sys.argv = argv
+    text = buf.getvalue()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError:  # a read-only home: the help is still printed
+        pass
+    return text
 
 
 def _finish_wandb() -> None:

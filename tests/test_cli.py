@@ -59,6 +59,7 @@ HEAVY = ("torch", "lightning", "timm", "transformers", "diffusers", "lowrank_lit
         (["fit", "--config", "missing.yaml"], HEAVY),
         (["sweep", "sweeps/q3r.yaml", "--check"], HEAVY),
         (["sweep", "sweeps/baseline_mlp_digits.yaml", "--check"], HEAVY),
+        (["fit"], HEAVY),  # no config: a hint, before anything is imported
     ],
 )
 def test_light_commands_do_not_import_heavy_libraries(argv, heavy):
@@ -415,3 +416,41 @@ def test_fit_ending_mid_epoch_is_validated_on_its_final_weights(tmp_path):
     val_steps = {r: [int(x["step"]) for x in rows[r] if x.get("val/loss")] for r in rows}
     assert val_steps["mid"] == [19, 30], val_steps
     assert len(val_steps["end"]) == 2, val_steps  # one per epoch, none extra
+
+
+def test_bare_fit_gives_a_hint(capsys):
+    from lowrank_lit.cli import main
+
+    assert main(["fit"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lowrank fit: error: no --config given; run e.g. lowrank fit --config ") and "lowrank list" in err
+
+
+def test_fit_help_is_built_once_then_cached(tmp_path):
+    """The first `lowrank fit --help` imports Lightning and every method; the next reads the cache and imports
+    neither (the same text)."""
+    env = {**os.environ, "LOWRANK_CACHE_DIR": str(tmp_path)}
+    first = _run(["fit", "--help"], env=env)
+    assert first.returncode == 0 and "--trainer.max_epochs" in first.stdout and "Traceback" not in first.stderr
+    code = ("import sys, contextlib, io\nfrom lowrank_lit.cli import main\nbuf = io.StringIO()\n"
+            "with contextlib.redirect_stdout(buf): main(['fit', '--help'])\n"
+            "sys.stderr.write(repr(sorted(m for m in ('torch', 'lightning') if m in sys.modules)))\n"
+            "sys.stdout.write(buf.getvalue())\n")
+    second = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert second.stderr.strip().splitlines()[-1] == "[]" and second.stdout == first.stdout
+
+
+def test_config_file_key_typo_names_the_closest_key(tmp_path):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("trainer:\n  max_epoch: 3\n")
+    proc = _run(["fit", "--config", MLP_CONFIG, "--config", typo, "--run_root", tmp_path / "runs"])
+    assert proc.returncode == 2
+    assert "unknown key 'trainer.max_epoch' in a config file; did you mean trainer.max_epochs?" in proc.stderr
+
+
+def test_class_help_lists_subclasses_from_every_method():
+    """`--model.help PromptTunedClassifier` lists CaPT's CapsulePrompt and PT-MoE's prompt among the prompt's subclasses
+    (their modules are imported for help)."""
+    proc = _run(["fit", "--model.help", "lowrank_lit.models.text.PromptTunedClassifier"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "lowrank_lit.methods.capt.CapsulePrompt" in proc.stdout and "lowrank_lit.methods.pt_moe.DecomposedMoEPrompt" in proc.stdout

@@ -306,6 +306,7 @@ _OPTION_RE = re.compile(r"Option '([^']+)' is not accepted")
 _EXPECTED_RE = re.compile(r"Expected an? <class '([^']+)'>")
 _GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
 _UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
+_NOT_ACCEPTED_RE = re.compile(r"does not accept option '([^']+)'")
 _IMPORT_FAIL_RE = re.compile(r"No module named|has no attribute|cannot import|Import path|not a (class|subclass)|does not exist")
 
 
@@ -344,6 +345,11 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         return type(exc).__name__
+    if m := _NOT_ACCEPTED_RE.search(lines[0]):  # a key in a config file that no argument has
+        name = m.group(1)
+        match = closest(f"--{name}", _option_names(parser)) if parser is not None else None
+        hint = f"; did you mean {match.lstrip('-')}?" if match else "; `--help` lists the keys"
+        return f"unknown key {name!r} in a config file{hint}"
     if m := _UNRECOGNIZED_RE.search(lines[0]):
         name = m.group(1).split("=", 1)[0]
         match = closest(name, _option_names(parser)) if parser is not None else None
