@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 COMMANDS = {
@@ -63,4 +65,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

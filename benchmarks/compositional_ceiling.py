@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.data.compositional import FAMILIES
 from lowrank_lit.peft_bench import fine_tune, linear_probe
@@ -53,4 +54,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

@@ -17,6 +17,7 @@ import math
 import statistics
 
 import torch
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.linalg import eagle_solve, gd_solve, iterations_to
 
@@ -65,4 +66,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

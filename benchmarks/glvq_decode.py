@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import median_time
+from timing import median_time, recorded
 from torch import nn
 
 from lowrank_lit.methods.glvq import quantize_linear, rtn_quantize
@@ -77,4 +77,5 @@ def main() -> None:
           f"({t_cached / t_dense:.2f}x), decode every call {t_uncached * 1e3:.1f} ms ({t_uncached / t_dense:.0f}x)")
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

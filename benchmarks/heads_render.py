@@ -12,6 +12,7 @@ import argparse
 import time
 
 import torch
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.data.heads import DOMAINS, render_heads, sample_params
 
@@ -34,4 +35,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

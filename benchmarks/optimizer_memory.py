@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.data.text import CharTextDataModule
 from lowrank_lit.launch.estimate import optimizer_state_bytes
@@ -91,4 +92,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

@@ -22,6 +22,7 @@ import math
 import time
 
 import torch
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.linalg import smallest_eigenpairs
 from lowrank_lit.methods.pinv_bounds import (
@@ -106,4 +107,5 @@ def sparse_table(sizes: list[int], p: int, repeats: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -77,4 +78,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.data import DigitsDataModule
 from lowrank_lit.methods.q3r import AdamQ3R, Q3RRegularizer, resolve_targets
@@ -69,4 +70,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

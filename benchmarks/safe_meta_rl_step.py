@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import median_time
+from timing import median_time, recorded
 
 from lowrank_lit.envs import SafeGridNav
 from lowrank_lit.methods.safe_meta_rl import hessian_free_meta_grad, second_order_meta_grad
@@ -44,4 +44,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

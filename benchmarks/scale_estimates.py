@@ -16,6 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from timing import recorded  # noqa: E402  (benchmarks/timing.py: the script folder is on sys.path)
+
 from lowrank_lit.launch.estimate import GiB, estimate, format_bytes  # noqa: E402
 from tests.rehearsal import fixtures as fx  # noqa: E402
 
@@ -63,4 +65,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.data.packed import draw_lengths
 from lowrank_lit.methods.skrull import dacp_plan, gds_plan
@@ -91,4 +92,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

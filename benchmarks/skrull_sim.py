@@ -1,7 +1,7 @@
 """Skrull's scheduling simulation: iteration time of uniform CP, sorted batching, DACP only and GDS + DACP.
 
     python benchmarks/skrull_sim.py [--batches 5] [--global-batch 256] [--dp 4] [--cp 8] [--bucket 26000] [--calibrate]
-                                    [--plot docs/methods/skrull_plan.png] [--memory]
+                                    [--plot [--write-docs]] [--memory]
 
 Global batches from a long-tail mix (90 % U[32, 1024], 10 % U[4K, 32K]) and a bimodal mix (50 % U[256, 2K], 50 %
 U[16K, 64K]); cost model of Qwen2.5-0.5B (h 896, h_kv 128, 24 layers) on H100-like numbers (400 TFLOP/s x
@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from pathlib import Path
 
 import torch
+from timing import output_path, recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.methods.skrull import (
     SkrullCostModel,
@@ -28,6 +30,8 @@ from lowrank_lit.methods.skrull import (
     skrull_plan,
     sorted_plan,
 )
+
+DOCS_FIGURE = Path(__file__).resolve().parent.parent / "docs" / "methods" / "skrull_plan.png"
 
 MIXES = {
     "long-tail": lambda r: r.randint(32, 1024) if r.random() < 0.9 else r.randint(4096, 32768),
@@ -79,7 +83,10 @@ def main() -> None:
     p.add_argument("--bucket", type=int, default=26000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibrate", action="store_true")
-    p.add_argument("--plot", default=None, help="Gantt chart of DP rank 0's micro-batches of the first long-tail batch")
+    p.add_argument("--plot", action="store_true",
+                   help="Gantt chart of DP rank 0's micro-batches of the first long-tail batch (plan.png in the run's "
+                   "folder, runs/benchmarks/skrull_sim/<time>/)")
+    p.add_argument("--write-docs", action="store_true", help="with --plot: also refresh docs/methods/skrull_plan.png")
     p.add_argument("--memory", action="store_true", help="also measure activation bytes per token on this CPU")
     args = p.parse_args()
     if args.memory:
@@ -104,8 +111,9 @@ def main() -> None:
                 "GDS + DACP (Skrull)": (skrull_plan(lengths, args.bucket, args.cp, args.dp, cost), True),
             }
             if args.plot and mix == "long-tail" and not totals:
-                plot_plan(lengths, {name: plan[0] for name, (plan, _) in plans.items() if name != "sorted batching"}, cost,
-                          args.cp, args.plot, overlap={name: ov for name, (_, ov) in plans.items()})
+                for out in [output_path("plan.png")] + ([DOCS_FIGURE] if args.write_docs else []):
+                    plot_plan(lengths, {name: plan[0] for name, (plan, _) in plans.items() if name != "sorted batching"},
+                              cost, args.cp, str(out), overlap={name: ov for name, (_, ov) in plans.items()})
             for name, (plan, overlap) in plans.items():
                 r = simulate_iteration(lengths, plan, cost, args.cp, overlap=overlap)
                 t = totals.setdefault(name, [0.0, 0.0, 0.0])
@@ -118,4 +126,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

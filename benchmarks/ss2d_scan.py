@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.models.vmamba import selective_scan
 
@@ -52,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.methods.trust import TRUST, TrustNaive
 from lowrank_lit.models.vmamba import TinyVMamba
@@ -61,4 +62,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()

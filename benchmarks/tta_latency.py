@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.data.corruptions import DigitsCorruptionDataModule
 from lowrank_lit.methods.reservoir_tta import ReservoirTTA
@@ -68,4 +69,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__):
+        main()
