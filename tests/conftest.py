@@ -31,3 +31,21 @@ def _restore_rank_zero():
     module = sys.modules.get("lightning_utilities.core.rank_zero")
     if module is not None:
         module.rank_zero_only.rank = 0
+
+
+@pytest.fixture
+def checked_figures(monkeypatch):
+    """Every figure saved while the test runs, checked by ``tests.helpers.figure_problems``: ``{path: problems}``."""
+    from matplotlib.figure import Figure
+
+    from tests.helpers import figure_problems
+
+    seen: dict[str, list[str]] = {}
+    original = Figure.savefig
+
+    def savefig(self, fname, *args, **kwargs):
+        seen[str(fname)] = figure_problems(self)
+        return original(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return seen

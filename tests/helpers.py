@@ -172,3 +172,35 @@ def peft_bench_runs(names: tuple[str, ...], root: Path, seeds: tuple[int, ...] =
                                "--trainer.enable_progress_bar=false", run_root=root) == 0
     have = finished()
     return {name: [have[name, seed] for seed in seeds] for name in names}
+
+
+def figure_problems(fig: Any) -> list[str]:
+    """What a reader would miss in a figure: a title (an axes title or the figure's), both axes of every axes that
+    draws data labelled (an axis label, a labelled axis it shares, or category tick labels), and at least two
+    distinct plotted values (a flat or single-point plot says nothing)."""
+    import re as _re
+
+    problems = []
+    suptitle = fig._suptitle.get_text() if fig._suptitle is not None else ""
+    if not suptitle and not any(ax.get_title(loc) for ax in fig.axes for loc in ("left", "center", "right")):
+        problems.append("no title")
+    values: set[float] = set()
+    for i, ax in enumerate(ax for ax in fig.axes if ax.lines or ax.patches or ax.collections or ax.images):
+        for axis in ("x", "y"):
+            label = getattr(ax, f"get_{axis}label")()
+            group = getattr(ax, f"get_shared_{axis}_axes")().get_siblings(ax)
+            shared = any(getattr(o, f"get_{axis}label")() for o in group)
+            categories = any(_re.search(r"[A-Za-z]", t.get_text()) for t in getattr(ax, f"get_{axis}ticklabels")())
+            if not (label or shared or categories or ax.images):
+                problems.append(f"axes {i}: no {axis} label")
+        for line in ax.lines:
+            values.update(round(float(v), 9) for v in line.get_ydata() if v == v)
+        bars = [p for p in ax.patches if hasattr(p, "get_width")]
+        if bars:
+            vertical = len({round(p.get_width(), 9) for p in bars}) == 1
+            values.update(round(float(p.get_height() if vertical else p.get_width()), 9) for p in bars)
+        if ax.images or ax.collections:
+            values.update({0.0, 1.0})  # an image or a scatter: its spread is its content
+    if len(values) < 2:
+        problems.append(f"fewer than two distinct plotted values ({sorted(values)})")
+    return problems

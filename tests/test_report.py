@@ -126,3 +126,31 @@ def test_mean_std_cells():
     assert mean_std([0.5]) == "0.5"
     assert mean_std([0.5, 0.7], scale=100.0) == "60.0 ± 14.1"
     assert mean_std([1.0, 2.0, 3.0], ".3f") == "2.000 ± 1.000"
+
+
+def test_figures_have_titles_labels_and_content(tmp_path, checked_figures):
+    """The figures the summaries and modules draw: the prompt-run bars (the paper's method marked, labels unbroken),
+    Skrull's Gantt panels (one time axis), a one-pass TTA stream (error per corruption, not a single point)."""
+    from lowrank_lit.methods.skrull import SkrullCostModel, baseline_plan, plot_plan, skrull_plan
+    from lowrank_lit.models.text import prompt_runs_table
+    from lowrank_lit.tta.module import plot_recurrence
+
+    for name, prompt, accs in (("a", None, (0.6, 0.62)), ("b", "lowrank_lit.methods.capt.CapsulePrompt", (0.8, 0.84))):
+        for seed, acc in enumerate(accs):
+            d = tmp_path / "runs" / name / str(seed)
+            d.mkdir(parents=True)
+            cfg = {"model": {"init_args": {"prompt": None if prompt is None else {"class_path": prompt, "init_args": {}}}}}
+            (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+            (d / "metrics.csv").write_text(f"step,test/acc\n0,{acc}\n")
+    prompt_runs_table([str(tmp_path / "runs")], ("test/acc",), out=str(tmp_path / "bars.png"),
+                      title="CaPT vs prompt baselines (MiniLM, 2 layers)", highlight="CapsulePrompt")
+    lengths = [64, 900, 4000, 120, 2000, 30, 700, 5000]
+    cost = SkrullCostModel()
+    plans = {"baseline": baseline_plan(lengths, 4000, 2, 1)[0], "Skrull": skrull_plan(lengths, 4000, 2, 1, cost)[0]}
+    plot_plan(lengths, plans, cost, 2, str(tmp_path / "gantt.png"))
+    plot_recurrence({"Tent": {0: 0.3}}, str(tmp_path / "tta.png"), per_domain={"Tent": {"noise": 0.3, "blur": 0.2}})
+    assert set(checked_figures) == {str(tmp_path / f) for f in ("bars.png", "gantt.png", "tta.png")}
+    assert all(not problems for problems in checked_figures.values()), checked_figures
+    degenerate = str(tmp_path / "flat.png")
+    plot_recurrence({"Tent": {0: 0.3}}, degenerate)  # one recurrence, no per-corruption data: nothing to see
+    assert any("distinct" in p for p in checked_figures[degenerate])

@@ -141,4 +141,5 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Templated two-domain runs (head, PT, P-tuning v2, deep PT, instance-only, CaPT): accuracy and attention shares."""
     from lowrank_lit.models.text import prompt_runs_table
 
-    return prompt_runs_table(roots, COLUMNS, out=out, title="CaPT vs prompt baselines (MiniLM, 2 layers)")
+    return prompt_runs_table(roots, COLUMNS, out=out, title="CaPT vs prompt baselines (MiniLM, 2 layers)",
+                             highlight="CapsulePrompt")

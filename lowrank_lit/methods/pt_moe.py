@@ -114,4 +114,5 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Templated two-domain runs (PT, DPT, SMoP, PT-MoE and ablations): accuracy mean +/- std, purity, params."""
     from lowrank_lit.models.text import prompt_runs_table
 
-    return prompt_runs_table(roots, COLUMNS, out=out, title="PT-MoE vs prompt baselines (MiniLM, 2 layers)")
+    return prompt_runs_table(roots, COLUMNS, out=out, title="PT-MoE vs prompt baselines (MiniLM, 2 layers)",
+                             highlight="DecomposedMoEPrompt")

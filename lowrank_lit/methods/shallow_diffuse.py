@@ -485,7 +485,7 @@ class ShallowDiffuseEval(pl.LightningModule):
             auc = float(binary_auroc(scores, labels))
             fpr, tpr, _ = binary_roc(scores, labels)
             tpr1 = float(tpr[fpr <= 0.01].max())
-            curves[name] = (fpr, tpr)
+            curves[name] = (fpr, tpr, auc)
             self.log(f"test/auc_{name}", auc)
             self.log(f"test/tpr1_{name}", tpr1)
             self.attack_rows.append({"attack": name, "auc": auc, "tpr_at_1fpr": tpr1})
@@ -497,14 +497,16 @@ class ShallowDiffuseEval(pl.LightningModule):
         if may_write(self.trainer):
             self._save(curves)
 
-    def _save(self, curves: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _save(self, curves: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         save_rows(self.trainer, self.rows, "watermark_scores.csv")
         save_rows(self.trainer, self.attack_rows, "watermark_attacks.csv")
         if self.rank_rows:  # the Jacobian analysis ran (analysis=true)
             save_rows(self.trainer, self.rank_rows, "rank_ratio.csv")
         fig, ax = new_figure(figsize=(5, 4))
-        for name, (fpr, tpr) in curves.items():
-            ax.plot(fpr.numpy(), tpr.numpy(), label=name)
+        for name, (fpr, tpr, auc) in curves.items():
+            ax.plot(fpr.numpy(), tpr.numpy(), label=f"{name} (AUC {auc:.3f})")
+        n = len(self.rows) // max(len(curves), 1)  # images per attack
+        ax.set_title(f"Watermark detection ROC ({self.method}, {n} images per attack)", fontsize=10)
         ax.set_xscale("symlog", linthresh=1e-2)
         ax.set_xlabel("false positive rate")
         ax.set_ylabel("true positive rate")
@@ -519,6 +521,7 @@ class ShallowDiffuseEval(pl.LightningModule):
                 axes[r, i].axis("off")
         for r, label in enumerate(("clean", "watermarked", "difference x10")):
             axes[r, 0].set_title(label, fontsize=7, loc="left")
+        fig.suptitle(f"{self.method}: the same initial noises without and with the key", fontsize=8)
         log_image(self.trainer, "watermark/grid", save_figure(fig, artifact_path(self.trainer, "grid.png")))
 
 

@@ -541,7 +541,7 @@ def plot_plan(lengths: Sequence[int], plans: dict[str, Sequence[MicroBatch]], co
     the sharded sequences' compute (light); micro-batches one after the other."""
 
     lens = list(lengths)
-    fig, axes = new_figure(nrows=len(plans), figsize=(9, 1.2 + 0.28 * cp * len(plans)), squeeze=False)
+    fig, axes = new_figure(nrows=len(plans), figsize=(9, 1.2 + 0.28 * cp * len(plans)), squeeze=False, sharex=True)
     for ax, (name, mbs) in zip(axes[:, 0], plans.items(), strict=True):
         ov = True if overlap is None else overlap.get(name, True)
         t0 = 0.0
@@ -562,6 +562,7 @@ def plot_plan(lengths: Sequence[int], plans: dict[str, Sequence[MicroBatch]], co
         ax.set_ylabel("CP rank")
         ax.set_yticks(range(cp))
     axes[-1, 0].set_xlabel("time (s)")
+    fig.suptitle("Micro-batches of one DP rank under each schedule (one time axis)", fontsize=10)
     from matplotlib.patches import Patch
 
     axes[0, 0].legend(handles=[Patch(color="tab:blue", label="local sequences"), Patch(color="tab:cyan", label="sharded sequences"),

@@ -808,7 +808,7 @@ def prompt_label(prompt: dict[str, Any] | None) -> str:
 
 def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | None = None, title: str = "",
                       label: Callable[[dict[str, Any]], str] | None = None, first: str = "prompt",
-                      params: tuple[str, ...] = ("params/prompt", "params/head")) -> str:
+                      params: tuple[str, ...] = ("params/prompt", "params/head"), highlight: str | None = None) -> str:
     """Markdown table of frozen-backbone tuning runs: one row per method, mean +/- std over its runs.
 
     Args:
@@ -819,6 +819,8 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
         label: ``config -> row label``; default: :func:`prompt_label` of the run's prompt.
         first: header of the label column.
         params: parameter-count metrics shown after the run count.
+        highlight: rows whose label starts with this (the paper's method) are drawn in their own colour and named
+            in the plot's legend; the others are the baselines.
     """
     import statistics
 
@@ -848,15 +850,24 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
     if out:
         import textwrap
 
-        fig, ax = new_figure(figsize=(2.0 * len(groups) + 1, 4.0))
+        fig, ax = new_figure(figsize=(max(6.0, 1.6 * len(groups) + 1), 4.2))
         labels = sorted(groups)
         means = [statistics.fmean(r[columns[0]] for r in groups[k]) for k in labels]
         stds = [statistics.stdev([r[columns[0]] for r in groups[k]]) if len(groups[k]) > 1 else 0.0 for k in labels]
-        ax.bar(range(len(labels)), means, yerr=stds, capsize=3)
-        ax.set_xticks(range(len(labels)), [textwrap.fill(k.replace("(", " (").replace(", ", " "), 18) for k in labels],
+        mine = [bool(highlight) and k.startswith(highlight) for k in labels]
+        ax.bar(range(len(labels)), means, yerr=stds, capsize=3, color=["tab:red" if m else "tab:gray" for m in mine],
+               hatch=None)
+        # whole words per line (a label is never broken inside a word)
+        ax.set_xticks(range(len(labels)), [textwrap.fill(k.replace("(", " (").replace(", ", " "), 16,
+                                                         break_long_words=False, break_on_hyphens=False) for k in labels],
                       fontsize=7)
         ax.set_ylabel(columns[0])
         ax.set_ylim(max(0.0, min(means) - 0.1), 1.0)
-        ax.set_title(title)
+        ax.set_title(textwrap.fill(title, 60), fontsize=10)
+        if any(mine):
+            from matplotlib.patches import Patch
+
+            ax.legend(handles=[Patch(color="tab:red", label=f"{highlight} (the paper's method)"),
+                               Patch(color="tab:gray", label="baselines")], fontsize=7, loc="lower right")
         save_figure(fig, out)
     return markdown_table(header, rows)

@@ -158,7 +158,13 @@ class TTAModule(pl.LightningModule):
         save_rows(self.trainer, [{"recurrence": k, "error": v} for k, v in per_rec.items()], "tta_recurrence.csv")
         for name, rows in self.method.tables().items():
             save_rows(self.trainer, rows, name)
-        path = plot_recurrence({type(self.method).__name__: per_rec}, artifact_path(self.trainer, "tta_recurrence.png"))
+        names = self._domain_names()
+        per_domain = {}  # stream order: the error of each corruption the stream visited
+        for r in self.rows:
+            per_domain.setdefault(names.get(r["domain"], f"d{r['domain']}"), []).append((r["error"], r["n"]))
+        errors = {d: sum(e * n for e, n in v) / sum(n for _, n in v) for d, v in per_domain.items()}
+        path = plot_recurrence({type(self.method).__name__: per_rec}, artifact_path(self.trainer, "tta_recurrence.png"),
+                               per_domain={type(self.method).__name__: errors})
         log_image(self.trainer, "tta/recurrence", path)
 
 
@@ -168,14 +174,24 @@ def _cycle(make: Any) -> Any:
         yield from make()
 
 
-def plot_recurrence(curves: dict[str, dict[int, float]], out: str) -> str:
-    """Error per recurrence, one line per method."""
-
+def plot_recurrence(curves: dict[str, dict[int, float]], out: str,
+                    per_domain: dict[str, dict[str, float]] | None = None) -> str:
+    """Error per recurrence, one line per method; a stream of one recurrence (a single point per method) is drawn
+    as the error per corruption in stream order instead, when ``per_domain`` (method -> corruption -> error) is
+    given."""
     fig, ax = new_figure(figsize=(6.5, 4))
-    for name, per in curves.items():
-        ks = sorted(per)
-        ax.plot([k + 1 for k in ks], [100 * per[k] for k in ks], marker="o", label=name)
-    ax.set_xlabel("recurrence")
+    if per_domain and all(len(per) < 2 for per in curves.values()):
+        for name, errs in per_domain.items():
+            ax.plot(range(len(errs)), [100 * e for e in errs.values()], marker="o", label=name)
+            ax.set_xticks(range(len(errs)), list(errs), rotation=30, ha="right", fontsize=7)
+        ax.set_xlabel("corruption (stream order)")
+        ax.set_title("Test-time adaptation: error per corruption (one pass)", fontsize=10)
+    else:
+        for name, per in curves.items():
+            ks = sorted(per)
+            ax.plot([k + 1 for k in ks], [100 * per[k] for k in ks], marker="o", label=name)
+        ax.set_xlabel("recurrence")
+        ax.set_title("Test-time adaptation: error per recurrence of the stream", fontsize=10)
     ax.set_ylabel("error (%)")
     ax.legend(fontsize=8)
     return save_figure(fig, out)

@@ -251,7 +251,7 @@ def _with_key(embedded: ShallowDiffuse, other: ShallowDiffuse) -> ShallowDiffuse
 # -- configs --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["molrg_shallow_diffuse", "molrg_tree_ring", "gaussian_shallow_diffuse"])
-def test_config_runs(name, run_root):
+def test_config_runs(name, run_root, checked_figures):
     import csv
 
     from tests.helpers import CONFIGS, run_cli
@@ -264,6 +264,8 @@ def test_config_runs(name, run_root):
     with open(run / "watermark_attacks.csv") as f:
         assert [r["attack"] for r in csv.DictReader(f)] == ["clean", "jpeg"]
     assert (run / "grid.png").is_file() and (run / "roc.png").is_file()
+    roc = [p for p in checked_figures if p.endswith("roc.png")]
+    assert roc and all(not checked_figures[p] for p in checked_figures), checked_figures  # titled, labelled, drawn
 
 
 def test_unet_training_and_evaluation_configs(run_root):
