@@ -223,8 +223,8 @@ def _acc(bench: dict[str, list[dict[str, float]]], name: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PEFT benchmark noisy variant, seed 0 (docs/peft_bench.md; seeds 1-2 are the nightly's): LoPE (mask, K = all) "
-    "70.1, HydraLoRA 91.0, LoRA 80.9: HydraLoRA >= LoRA holds, LoPE is the lowest of the three"))
+    "PEFT benchmark noisy variant, seeds 0-2 (docs/peft_bench.md): LoPE (mask, K = all) 66.5 (70.1 / 59.8 / 69.6), "
+    "HydraLoRA 91.2 (91.0 / 92.7 / 90.0), LoRA 85.1 (80.9 / 87.9 / 86.4): HydraLoRA >= LoRA holds, LoPE is the lowest"))
 def test_must_show_lope_beats_hydralora_beats_lora(bench):
     """The paper's claim on clean test data after noisy training (3 seeds): LoPE >= HydraLoRA >= LoRA."""
     means = {k: _acc(bench, k) for k in bench}
@@ -233,8 +233,9 @@ def test_must_show_lope_beats_hydralora_beats_lora(bench):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PEFT benchmark noisy variant, seed 0 (docs/peft_bench.md): LoPE with the mask 70.1, without it 77.6: "
-    "masking B_D removes the expert that carries 40 % of the routing weight on every input"))
+    "PEFT benchmark noisy variant, seeds 0-2 (docs/peft_bench.md): LoPE with the mask 66.5 (70.1 / 59.8 / 69.6), "
+    "without it 75.6 (77.6 / 75.4 / 73.7): masking B_D removes the expert that carries 40 % of the routing weight on "
+    "every input"))
 def test_must_show_lope_mask_beats_no_mask(bench):
     """Masking the poisoning expert at inference helps: LoPE (mask) > LoPE (no mask)."""
     assert _acc(bench, "lope_noisy") > _acc(bench, "lope_nomask_noisy")

@@ -357,12 +357,11 @@ def _mean(runs: list[dict[str, float]], key: str = "test/acc") -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PEFT benchmark, seed 0 (docs/peft_bench.md; seeds 1-2 are the nightly's): PT-MoE N = 2 70.3 against PT 75.2 "
-    "and SMoP 75.2 (with 6,178 parameters against SMoP's 6,914: that part holds)"))
 def test_must_show_ptmoe_beats_pt_and_smop_with_fewer_parameters_than_smop(bench):
     """The paper's claim on the PEFT benchmark (3 seeds): PT-MoE mean accuracy >= PT's and >= SMoP's, with fewer
-    trainable prompt parameters than SMoP."""
+    trainable prompt parameters than SMoP. Measured (seeds 0-2): PT-MoE N = 2 72.7 (70.3 / 76.8 / 71.1), PT 72.1
+    (75.2 / 70.6 / 70.7), SMoP 71.9 (75.2 / 71.0 / 69.5); 6,178 parameters against 6,914. It holds in the mean, by
+    less than one seed's spread (docs/peft_bench.md)."""
     assert bench["ptmoe"][0]["params/prompt"] < bench["smop"][0]["params/prompt"]
     assert _mean(bench["ptmoe"]) >= _mean(bench["pt"]), {k: _mean(v) for k, v in bench.items()}
     assert _mean(bench["ptmoe"]) >= _mean(bench["smop"]), {k: _mean(v) for k, v in bench.items()}
