@@ -293,17 +293,15 @@ def _help_cache_path(command: str) -> Path:
     import importlib.metadata as md
     import shutil
 
-    from lowrank_lit import __version__
-
     package = Path(__file__).resolve().parent
     newest = max(p.stat().st_mtime_ns for p in package.rglob("*.py"))
     versions = []
-    for dist in ("lightning", "jsonargparse"):
+    for dist in ("lowrank_lit", "lightning", "jsonargparse"):
         try:
             versions.append(md.version(dist))
         except md.PackageNotFoundError:
             versions.append("-")
-    key = "|".join(map(str, (__version__, *versions, newest, sys.version, shutil.get_terminal_size().columns, package)))
+    key = "|".join(map(str, (*versions, newest, sys.version, shutil.get_terminal_size().columns, package)))
     root = os.environ.get("LOWRANK_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lowrank_lit"
     return Path(root) / "help" / f"{command}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.txt"
 
