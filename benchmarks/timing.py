@@ -13,6 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+#: the folder of the benchmark run in progress (set by :func:`recorded`)
+CURRENT: list[Path] = []
+
 
 def output_path(name: str) -> Path:
     """A file ``name`` in the folder of the benchmark run in progress (``runs/benchmarks/<script>/<stamp>/``)."""
@@ -32,9 +35,6 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
-
-#: the folder of the benchmark run in progress (set by :func:`recorded`)
-CURRENT: list[Path] = []
 
 
 @contextlib.contextmanager

@@ -241,8 +241,9 @@ def _main(args: Sequence[str] | None) -> int:
         )
         return 2
     rest = argv[1:]
+    configs = config_files(rest)
     wants_help = any(a in ("-h", "--help") or a.split("=", 1)[0].endswith(".help") for a in rest)
-    if not wants_help and not config_files(rest) and not any(a.startswith(("--model", "--data")) for a in rest):
+    if not wants_help and not configs and not any(a.startswith(("--model", "--data")) for a in rest):
         print(f"lowrank {argv[0]}: error: no --config given; run e.g. lowrank {argv[0]} --config "
               "configs/baseline/mlp_digits.yaml (`lowrank list` shows every method's configs, "
               f"`lowrank {argv[0]} --help` every option)", file=sys.stderr)
@@ -254,11 +255,11 @@ def _main(args: Sequence[str] | None) -> int:
         from lowrank_lit import registry
 
         registry.load_all()
-    missing = [c for c in config_files(argv[1:]) if not Path(c).is_file()]
+    missing = [c for c in configs if not Path(c).is_file()]
     if missing:  # answered before Lightning is imported
         print(f"lowrank {argv[0]}: error: --config: file {missing[0]!r} does not exist", file=sys.stderr)
         return 2
-    wrong = wrong_command(argv[0], config_files(argv[1:]))
+    wrong = wrong_command(argv[0], configs)
     if wrong:  # a test-only config given to fit: before Lightning is imported, so no run directory is made
         print(f"lowrank {argv[0]}: error: {wrong}", file=sys.stderr)
         return 2

@@ -202,8 +202,8 @@ class Run:
 
 def debug_reason(trainer: dict[str, Any]) -> str | None:
     """The trainer settings (of a saved config's ``trainer:`` section) that make a run a debug run, e.g.
-    ``"fast_dev_run=True"`` or ``"limit_train_batches=2, limit_val_batches=1"``; None for a real run."""
-    def is_default(value: Any, defaults: tuple[Any, ...]) -> bool:  # by type too: limit_val_batches=1 is one batch
+    ``"fast_dev_run=True"`` or ``"limit_train_batches=2, overfit_batches=1"``; None for a real run."""
+    def is_default(value: Any, defaults: tuple[Any, ...]) -> bool:  # by type too: limit_train_batches=1 is one batch
         return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
     set_ = [f"{k}={trainer[k]}" for k, defaults in DEBUG_TRAINER_KEYS.items() if not is_default(trainer.get(k, defaults[0]), defaults)]

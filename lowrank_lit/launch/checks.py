@@ -103,16 +103,12 @@ _FIRST_RE = re.compile(r"^#\s*First:\s*(lowrank\s+\S+\s+--config\s+\S+)")
 def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
     """The ``# First: lowrank fit --config ...`` line of the first ``--config`` file that has one."""
     for p in config_paths or []:
-        path = Path(str(getattr(p, "relative", p)))
         try:
-            header = path.read_text().splitlines()
+            first = config_header(Path(str(getattr(p, "relative", p)))).first
         except OSError:
             continue
-        for line in header:
-            if not line.startswith("#"):
-                break
-            if m := _FIRST_RE.match(line):
-                return m.group(1)
+        if first:
+            return first
     return None
 
 

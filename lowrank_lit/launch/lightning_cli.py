@@ -193,7 +193,7 @@ class LowrankCLI(LightningCLI):
                 self._resume_point(cfg, run_dir)
             self._check_ckpt_path(cfg)
         except BaseException:
-            self._remove_if_new(run_dir)
+            self._remove_if_unstarted(run_dir)
             raise
         if run_dir.resumed and is_rank_zero():  # accepted: only now is the previous attempt's metrics.csv moved aside
             keep_previous_metrics(run_dir.path)
@@ -213,12 +213,6 @@ class LowrankCLI(LightningCLI):
             check_readable(path, "--ckpt_path")
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
-
-    @staticmethod
-    def _remove_if_new(run_dir: RunDir) -> None:
-        """Remove a run directory this run created when nothing was written into it."""
-        if not run_dir.resumed and run_dir.path.is_dir() and not any(run_dir.path.iterdir()):
-            run_dir.path.rmdir()
 
     @staticmethod
     def _resume_point(cfg: Namespace, run_dir: RunDir) -> None:
@@ -304,10 +298,8 @@ class LowrankCLI(LightningCLI):
             super().instantiate_classes()
         except Exception as exc:
             if self.run_dir is not None:
-                self._remove_if_new(self.run_dir)
-            root = exc
-            while root.__cause__ is not None:
-                root = root.__cause__
+                self._remove_if_unstarted(self.run_dir)
+            root = _root_cause(exc)
             from lightning.fabric.utilities.exceptions import MisconfigurationException
 
             if isinstance(root, (ValueError, TypeError, ImportError, AttributeError, MisconfigurationException)):
@@ -325,9 +317,7 @@ class LowrankCLI(LightningCLI):
         except Exception as exc:
             from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-            root = exc
-            while root.__cause__ is not None:
-                root = root.__cause__
+            root = _root_cause(exc)
             if not isinstance(root, (ValueError, OSError, MisconfigurationException)) or self._batches_done():
                 raise
             cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -345,8 +335,8 @@ class LowrankCLI(LightningCLI):
 
     @staticmethod
     def _remove_if_unstarted(run_dir: RunDir) -> None:
-        """Remove a run directory this run created when it holds nothing but what setup writes (config and
-        hyperparameter files, a metrics.csv without rows): a run that never started leaves nothing behind."""
+        """Remove a run directory this run created when it is empty or holds nothing but what setup writes (config
+        and hyperparameter files, a metrics.csv without rows): a run that never started leaves nothing behind."""
         if run_dir.resumed or not run_dir.path.is_dir():
             return
         setup_files = {"config.yaml", "hparams.yaml", "metrics.csv"}
@@ -386,6 +376,13 @@ class LowrankCLI(LightningCLI):
         args.resume = args.get("resume") or "allow"  # a requeued SLURM job continues the same W&B run
         if args.get("project") in (None, "lightning_logs"):
             args.project = "lowrank_lit"
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of a ``raise ... from`` chain (what the user's input actually triggered)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
 
 
 class _LastValidation(pl.Callback):

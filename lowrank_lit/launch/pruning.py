@@ -9,14 +9,11 @@ sweep records the trial as ``PRUNED``.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lowrank_lit.launch.checks import PRUNE_ENV
 from lowrank_lit.launch.sweep import _storage, make_pruner
 
 __all__ = ["SweepPruning"]
@@ -39,12 +36,6 @@ class SweepPruning(Callback):
         self.early_terminate = early_terminate
         self.rounds = 0
         self._trial: Any = None
-
-    @classmethod
-    def from_env(cls) -> SweepPruning | None:
-        """The callback a sweep asked for through ``LOWRANK_SWEEP_PRUNE``, or None."""
-        spec = os.environ.get(PRUNE_ENV)
-        return cls(**json.loads(spec)) if spec else None
 
     def _optuna_trial(self) -> Any:
         if self._trial is None:

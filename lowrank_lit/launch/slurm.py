@@ -113,8 +113,9 @@ def _sweep_configs(sweep: str | None) -> list[str]:
         return []
     import yaml
 
-    command = (yaml.safe_load(Path(sweep).read_text()) or {}).get("command") or []
-    return [str(command[i + 1]) for i, a in enumerate(command[:-1]) if a in ("--config", "-c")]
+    from lowrank_lit.launch.checks import config_files
+
+    return config_files([str(a) for a in (yaml.safe_load(Path(sweep).read_text()) or {}).get("command") or []])
 
 
 def _config_accelerator(configs: list[str]) -> str:

@@ -482,7 +482,7 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
     ``resume_run_id`` continues that run directory from its ``last.ckpt`` (an interrupted trial run again).
     With ``stop``, a signal to the sweep is passed on to the trial; the result is then ``INTERRUPTED``.
     With ``prune`` (storage, study, trial id, metric, early_terminate), the trial reports the metric to the study at
-    every validation and stops when the pruner says so (:class:`lowrank_lit.callbacks.SweepPruning`).
+    every validation and stops when the pruner says so (:class:`lowrank_lit.launch.pruning.SweepPruning`).
     """
     run_id = resume_run_id or f"{study_name}-t{number:04d}-{secrets.token_hex(2)}"
     args = [sys.executable, "-m", "lowrank_lit", *spec.fit_args]

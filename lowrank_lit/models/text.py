@@ -855,8 +855,7 @@ def prompt_runs_table(roots: list[str], columns: tuple[str, ...], out: str | Non
         means = [statistics.fmean(r[columns[0]] for r in groups[k]) for k in labels]
         stds = [statistics.stdev([r[columns[0]] for r in groups[k]]) if len(groups[k]) > 1 else 0.0 for k in labels]
         mine = [bool(highlight) and k.startswith(highlight) for k in labels]
-        ax.bar(range(len(labels)), means, yerr=stds, capsize=3, color=["tab:red" if m else "tab:gray" for m in mine],
-               hatch=None)
+        ax.bar(range(len(labels)), means, yerr=stds, capsize=3, color=["tab:red" if m else "tab:gray" for m in mine])
         # whole words per line (a label is never broken inside a word)
         ax.set_xticks(range(len(labels)), [textwrap.fill(k.replace("(", " (").replace(", ", " "), 16,
                                                          break_long_words=False, break_on_hyphens=False) for k in labels],

@@ -137,11 +137,16 @@ class TTAModule(pl.LightningModule):
             self.log(f"test/error_r{k}", v)
         self.log("test/error_last", per_rec[recs[-1]])
         names = self._domain_names()
+        visits: dict[int, list[dict[str, Any]]] = {}  # domain -> its batches, domains in stream order
+        for r in self.rows:
+            visits.setdefault(r["domain"], []).append(r)
+        label = {d: names.get(d, f"d{d}") for d in visits}
+        errors = {d: sum(r["error"] * r["n"] for r in rows) / sum(r["n"] for r in rows)
+                  for d, rows in visits.items()}  # batch-size weighted error of each domain
         accs = []
-        for d in sorted({r["domain"] for r in self.rows}):
-            rows = [r for r in self.rows if r["domain"] == d]
-            acc = 1.0 - sum(r["error"] * r["n"] for r in rows) / sum(r["n"] for r in rows)
-            self.log(f"test/acc_{names.get(d, f'd{d}')}", acc)
+        for d in sorted(visits):
+            acc = 1.0 - errors[d]
+            self.log(f"test/acc_{label[d]}", acc)
             accs.append(acc)
         self.log("test/acc_domains", sum(accs) / len(accs))  # mean over domains of the per-domain accuracy
         if "cluster" in self.rows[0]:
@@ -151,20 +156,15 @@ class TTAModule(pl.LightningModule):
             self.log("test/purity", purity(clusters, [r["domain"] for r in self.rows]))
         self.per_recurrence = per_rec
         if may_write(self.trainer):
-            self._save(per_rec)
+            self._save(per_rec, {label[d]: e for d, e in errors.items()})
 
-    def _save(self, per_rec: dict[int, float]) -> None:
+    def _save(self, per_rec: dict[int, float], per_domain: dict[str, float]) -> None:
         save_rows(self.trainer, self.rows, "tta_batches.csv")
         save_rows(self.trainer, [{"recurrence": k, "error": v} for k, v in per_rec.items()], "tta_recurrence.csv")
         for name, rows in self.method.tables().items():
             save_rows(self.trainer, rows, name)
-        names = self._domain_names()
-        per_domain = {}  # stream order: the error of each corruption the stream visited
-        for r in self.rows:
-            per_domain.setdefault(names.get(r["domain"], f"d{r['domain']}"), []).append((r["error"], r["n"]))
-        errors = {d: sum(e * n for e, n in v) / sum(n for _, n in v) for d, v in per_domain.items()}
         path = plot_recurrence({type(self.method).__name__: per_rec}, artifact_path(self.trainer, "tta_recurrence.png"),
-                               per_domain={type(self.method).__name__: errors})
+                               per_domain={type(self.method).__name__: per_domain})
         log_image(self.trainer, "tta/recurrence", path)
 
 
