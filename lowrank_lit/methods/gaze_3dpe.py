@@ -589,6 +589,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
                 ax.plot([i + 0.4 * k] * len(y), y, "k.", ms=3)
         ax.set_xticks([i + 0.2 for i in range(len(names))], names, fontsize=8)
         ax.set_ylabel("angular error (deg)")
+        ax.set_title("3D gaze error per target domain and variant (bars: mean, dots: seeds)", fontsize=9)
         ax.legend(fontsize=8)
         save_figure(fig, out)
     return text

@@ -673,6 +673,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
         ax.set_xticks([i + 0.2 for i in range(len(rows))])
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel("relative output error")
+        ax.set_title("Quantized layers: relative output error per method and bit width", fontsize=9)
         ax.legend(fontsize=8)
         save_figure(fig, out)
     return table

@@ -829,6 +829,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
         names = [n for n in order]
         for ax, key, title in ((axes[0], "test/spearman", "Spearman(retriever score, utility) over the pool"),
                                (axes[1], "test/top1_acc", "1-shot accuracy of the retrieved top-1")):
+            ax.set_ylabel(key)
             means = [statistics.fmean([v[key] for v in rows[n].values() if not math.isnan(v[key])] or [0.0]) for n in names]
             ax.bar(range(len(names)), means)
             for s in seeds:

@@ -298,6 +298,7 @@ def plot_overlap(run_dirs: Sequence[str], out: str, labels: Sequence[str] | None
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("overlap of consecutive projectors")
     ax.set_ylim(0, 1.02)
+    ax.set_title("Overlap of consecutive low-rank projectors (1: the subspace never moves)", fontsize=9)
     ax.legend(fontsize=8)
     return save_figure(fig, out)
 

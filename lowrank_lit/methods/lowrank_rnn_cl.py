@@ -43,6 +43,7 @@ from lowrank_lit.report import (
     log_image,
     markdown_table,
     may_write,
+    mean_std,
     new_figure,
     read_runs,
     save_figure,
@@ -761,7 +762,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
         for t in unseen:
             z = [v.get(f"forget/{after}/{t}", math.nan) for _, v in per]
             diag = [[v.get(f"state/{after}/{t}/{k}", math.nan) for _, v in per] for k in keys]
-            spread = f"{st.fmean(z):.2f} ± {st.stdev(z):.2f}" if len(z) > 1 else f"{z[0]:.2f}"
+            spread = mean_std([x for x in z if not math.isnan(x)], ".2f")  # a run without the metric: left out
             seed_rows.append([m, t, " / ".join(f"{x:.2f}" for x in z), spread,
                               *(f"{st.fmean(d):.2f}" if d and not any(math.isnan(x) for x in d) else "-" for d in diag)])
     if seed_rows:

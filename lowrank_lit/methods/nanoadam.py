@@ -357,6 +357,7 @@ def plot_summary(rows: list[dict[str, Any]], out: str, lr: float | None = None) 
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels([n.replace("NanoAdam ", "Nano\n") for n in names], fontsize=8)
         ax.set_title(title, fontsize=9)
+        ax.set_ylabel("accuracy" if "acc" in key else "L2 distance to the base weights")
         if "acc" in key:
             ax.set_ylim(0, 1)
     fig.suptitle(f"split-digits fine-tuning, lr {lr:g}, mean of seeds", fontsize=10)

@@ -590,6 +590,7 @@ def plot_truncation(series: dict[str, list[dict[str, float]]], path: str) -> str
     ax.set_xlabel("kept parameters of the targets")
     ax.set_ylabel("test accuracy")
     ax.invert_xaxis()
+    ax.set_title("Accuracy after truncating the targets' SVD", fontsize=9)
     ax.grid(alpha=0.3)
     if any(series):
         ax.legend()

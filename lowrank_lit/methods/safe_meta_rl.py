@@ -578,7 +578,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
     Markdown: per environment, adaptation step and meta-gradient (from the saved configs): runs, mean J_r and
     max J_c at every adaptation step over the held-out tasks and seeds, the violation count (steps >= 1 over
-    tasks and seeds), and the median meta-step time."""
+    tasks and seeds), and the median meta-step time; ``out``: mean reward and worst cost per adaptation step."""
     import statistics as st
 
     by: dict[str, list[tuple[list[dict[str, str]], list[float]]]] = {}
@@ -590,7 +590,24 @@ def summary(roots: list[str], out: str | None = None) -> str:
         if init.get("meta_gradient", "hessian_free") != "hessian_free":
             key += f" ({init['meta_gradient']} meta-gradient)"
         by.setdefault(key, []).append((rows, times))
+    if not by:
+        raise FileNotFoundError(f"no finished safe meta-RL run (with adaptation_test.csv) under {', '.join(roots)}")
     steps = sorted({int(r["step"]) for runs in by.values() for rows, _ in runs for r in rows})
+    if out:
+        fig, axes = new_figure(1, 2, figsize=(9, 3.4))
+        for name, runs in sorted(by.items()):
+            allrows = [r for rows, _ in runs for r in rows]
+            at = {k: [r for r in allrows if int(r["step"]) == k] for k in steps}
+            axes[0].plot(steps, [st.fmean(float(r["J_r"]) for r in at[k]) for k in steps], marker="o", label=name)
+            axes[1].plot(steps, [max(float(r["J_c"]) for r in at[k]) for k in steps], marker="o", label=name)
+        for ax, ylabel, title in ((axes[0], "mean J_r (held-out tasks)", "Reward per adaptation step"),
+                                  (axes[1], "max J_c (held-out tasks)", "Worst cost per adaptation step")):
+            ax.set_xlabel("adaptation step")
+            ax.set_ylabel(ylabel)
+            ax.set_title(title, fontsize=9)
+            ax.set_xticks(steps)
+        axes[0].legend(fontsize=7)
+        save_figure(fig, out)
     table = []
     for name, runs in sorted(by.items()):
         allrows = [r for rows, _ in runs for r in rows]

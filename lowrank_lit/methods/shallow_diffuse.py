@@ -558,6 +558,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
         ax.set_xlabel("t")
         ax.set_ylabel("rank ratio of J_t")
         ax.set_yscale("log")
+        ax.set_title("Rank ratio of the denoiser's Jacobian along t (low: a near-null space to watermark)", fontsize=8)
         ax.legend(fontsize=7)
         save_figure(fig, out)
 

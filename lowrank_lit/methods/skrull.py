@@ -575,7 +575,8 @@ def summary(roots: list[str], out: str | None = None) -> str:
     """Loss and step time per schedule and length mix of SkrullSFTModule runs.
 
     Markdown: per schedule and mix (mean over seeds), the final train and validation loss, micro-batches per
-    step and the median step time (the first step excluded)."""
+    step and the median step time (the first step excluded); ``out``: bars of the step time and the final
+    validation loss per schedule and mix."""
     import statistics as st
 
     by: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
@@ -590,7 +591,21 @@ def summary(roots: list[str], out: str | None = None) -> str:
         mbs = [float(r["train/micro_batches"]) for r in rows if r.get("train/micro_batches")]
         if train and val and steps:
             by.setdefault(key, []).append((train[-1], val[-1], st.fmean(mbs), st.median(steps)))
+    cells = sorted(by.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0])))
+    if not cells:
+        raise FileNotFoundError(f"no Skrull run with train/loss, val/loss and train/step_s under {', '.join(roots)}")
     table = [[sch, mix, len(v), *(f"{st.fmean(x[i] for x in v):.3f}" for i in range(3)), f"{1e3 * st.fmean(x[3] for x in v):.0f}"]
-             for (sch, mix), v in sorted(by.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0])))]
+             for (sch, mix), v in cells]
+    if out:
+        fig, axes = new_figure(1, 2, figsize=(9, 3.4))
+        labels = [f"{sch}\n{mix}" for (sch, mix), _ in cells]
+        for ax, i, scale, ylabel, title in ((axes[0], 3, 1e3, "median step (ms)", "Step time per schedule"),
+                                            (axes[1], 1, 1.0, "final val/loss", "Validation loss per schedule")):
+            ax.bar(range(len(cells)), [scale * st.fmean(x[i] for x in v) for _, v in cells],
+                   color=["tab:red" if sch == "skrull" else "tab:gray" for (sch, _), _ in cells])
+            ax.set_xticks(range(len(cells)), labels, fontsize=8)
+            ax.set_ylabel(ylabel)
+            ax.set_title(title, fontsize=9)
+        save_figure(fig, out)
     return markdown_table(["schedule", "mix", "runs", "final train/loss", "final val/loss", "micro-batches / step",
                            "step (ms)"], table)

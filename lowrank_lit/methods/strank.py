@@ -400,6 +400,7 @@ def plot_curves(run_dirs: Sequence[str], out: str, gene: int = 0) -> str:
         ax.plot(x[order], zscore(pred), lw=1.2, label=f"{info['loss']} ({info['setting']}, seed {info['seed']})")
     ax.set_xlabel("x")
     ax.set_ylabel("z-scored expression")
+    ax.set_title(f"Predicted vs true expression of gene {gene} (each z-scored)", fontsize=9)
     ax.legend(fontsize=7)
     return save_figure(fig, out)
 

@@ -548,5 +548,6 @@ def plot_accuracy(rows: list[dict[str, Any]], out: str) -> str:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(corrs))], corrs, rotation=20, fontsize=8)
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
+    ax.set_title("Test-time adaptation: accuracy per corruption (mean over runs)", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save_figure(fig, out)
