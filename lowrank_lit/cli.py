@@ -57,6 +57,7 @@ lowrank_lit commands:
   sweep      run a W&B sweep file offline with optuna: lowrank sweep sweeps/<slug>.yaml [--n-trials N]
   submit     write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4
   summarize  a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]
+  bench      every method's cost as a ratio to its baseline: lowrank bench [<slug>...] [--quick] [--device cuda]
 
 Compose configs with repeated --config (later files win), e.g. a preset from callbacks/:
   lowrank fit --config configs/baseline/mlp_digits.yaml --config callbacks/wandb.yaml
@@ -165,6 +166,13 @@ def cmd_summarize(argv: Sequence[str]) -> int:
     return summarize_main(list(argv))
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    """``lowrank bench [<slug>...] [--quick] [--device cpu|cuda] [--out FILE]``: cost ratios against the baselines."""
+    from lowrank_lit.launch.bench import main as bench_main
+
+    return bench_main(list(argv))
+
+
 def cmd_convert(argv: Sequence[str]) -> int:
     """``lowrank convert vmamba --src official.pth --out converted.pth [--depths 2 2 8 2]``."""
     import argparse
@@ -204,7 +212,8 @@ def cmd_estimate(argv: Sequence[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize, "convert": cmd_convert,
+    "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize, "bench": cmd_bench,
+    "convert": cmd_convert,
     "estimate": cmd_estimate,
 }
 

@@ -51,6 +51,8 @@ class MethodInfo:
         target: dotted import path of the registered object.
         summary: dotted path of the method's summary function ``fn(roots, out=None, **options) -> markdown``
             (``lowrank summarize <slug>``), or None.
+        bench: dotted path of the method's cost benchmark ``fn(ctx: BenchContext) -> list[BenchRow]``
+            (``lowrank bench <slug>``, :mod:`lowrank_lit.bench`), or None.
     """
 
     slug: str
@@ -58,6 +60,7 @@ class MethodInfo:
     paper: str
     target: str
     summary: str | None = None
+    bench: str | None = None
 
     def configs(self, root: Path | None = None) -> list[str]:
         """Config files of this method, relative to the project root (sorted)."""
@@ -69,7 +72,8 @@ class MethodInfo:
 _REGISTRY: dict[str, MethodInfo] = {}
 
 
-def register_method(slug: str, kind: str, paper: str, summary: str | None = None) -> Callable[[T], T]:
+def register_method(slug: str, kind: str, paper: str, summary: str | None = None,
+                    bench: str | None = None) -> Callable[[T], T]:
     """Class/function decorator that registers a method component under ``slug``.
 
     Args:
@@ -78,6 +82,8 @@ def register_method(slug: str, kind: str, paper: str, summary: str | None = None
         paper: the paper title.
         summary: name of the function in the same module that summarizes the method's runs
             (``fn(roots, out=None, **options) -> markdown``; its docstring's first line is its help). Default: None.
+        bench: name of the function in the same module that measures the method's cost against its baseline
+            (``fn(ctx) -> list[BenchRow]``, see :mod:`lowrank_lit.bench`). Default: None.
 
     Raises:
         ValueError: if ``slug`` is not snake_case, ``kind`` is unknown, or ``slug`` is already
@@ -90,14 +96,14 @@ def register_method(slug: str, kind: str, paper: str, summary: str | None = None
 
     def decorator(obj: T) -> T:
         _record(_REGISTRY, slug, kind, paper, f"{obj.__module__}.{obj.__qualname__}",
-                f"{obj.__module__}.{summary}" if summary else None)
+                f"{obj.__module__}.{summary}" if summary else None, f"{obj.__module__}.{bench}" if bench else None)
         return obj
 
     return decorator
 
 
 def _record(table: dict[str, MethodInfo], slug: str, kind: str, paper: str, target: str,
-            summary: str | None = None) -> None:
+            summary: str | None = None, bench: str | None = None) -> None:
     """Enter one registration into ``table`` (registering the same object again is a no-op).
 
     Raises:
@@ -106,7 +112,7 @@ def _record(table: dict[str, MethodInfo], slug: str, kind: str, paper: str, targ
     old = table.get(slug)
     if old is not None and old.target != target:
         raise ValueError(f"register_method: slug {slug!r} is already registered to {old.target}")
-    table[slug] = MethodInfo(slug, kind, paper, target, summary)
+    table[slug] = MethodInfo(slug, kind, paper, target, summary, bench)
 
 
 def project_root() -> Path:
@@ -140,8 +146,8 @@ def get_method(slug: str) -> MethodInfo:
         raise KeyError(f"unknown method {slug!r}; registered: {', '.join(sorted(_REGISTRY)) or '(none)'}") from None
 
 
-def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[str, str, str, str | None] | None:
-    """``(slug, kind, paper, summary)`` of a ``@register_method("slug", kind=..., paper=..., summary=...)`` decorator, else None."""
+def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[str, str, str, str | None, str | None] | None:
+    """``(slug, kind, paper, summary, bench)`` of a ``@register_method("slug", kind=..., paper=..., summary=...)`` decorator, else None."""
     if not isinstance(node, ast.Call):
         return None
     func = node.func
@@ -158,8 +164,8 @@ def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[
 
     args = [value(a) for a in node.args]
     kwargs = {k.arg: value(k.value) for k in node.keywords if k.arg}
-    fields = dict(zip(("slug", "kind", "paper", "summary"), args, strict=False)) | kwargs
-    return fields["slug"], fields["kind"], fields["paper"], fields.get("summary")
+    fields = dict(zip(("slug", "kind", "paper", "summary", "bench"), args, strict=False)) | kwargs
+    return fields["slug"], fields["kind"], fields["paper"], fields.get("summary"), fields.get("bench")
 
 
 def scan_methods(package_dir: Path | None = None) -> list[MethodInfo]:
@@ -190,6 +196,7 @@ def scan_methods(package_dir: Path | None = None) -> list[MethodInfo]:
                 reg = _decorator_registration(dec, constants)
                 if reg is None:
                     continue
-                slug, kind, paper, summary = reg
-                _record(found, slug, kind, paper, f"{module}.{node.name}", f"{module}.{summary}" if summary else None)
+                slug, kind, paper, summary, bench = reg
+                _record(found, slug, kind, paper, f"{module}.{node.name}", f"{module}.{summary}" if summary else None,
+                        f"{module}.{bench}" if bench else None)
     return [found[k] for k in sorted(found)]

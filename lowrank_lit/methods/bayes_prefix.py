@@ -333,7 +333,7 @@ class _CoinModule(pl.LightningModule):
         return torch.optim.Adam(params, lr=self.hparams.lr)
 
 
-@register_method("bayes_prefix", kind="LightningModule", paper=PAPER, summary="summary")
+@register_method("bayes_prefix", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
 class MetaPretrainModule(_CoinModule):
     """Meta-train a :class:`SequencePredictor` with log loss on a source (random coins by default).
 
@@ -604,3 +604,12 @@ def summary(roots: list[str], out: str | None = None) -> str:
                 ax.legend(fontsize=7)
         save_figure(fig, out)
     return markdown_table(["target", "torso", "method", "runs", "regret t=50", "regret t=200"], table)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Training-step time of soft-prefix tuning against full weight tuning of the same predictor (``lowrank bench bayes_prefix``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("bayes_prefix", "soft prefix tuning step (weights frozen)", "full weight tuning step",
+                        "configs/bayes_prefix/prefix_soft.yaml", "configs/bayes_prefix/weights_full.yaml",
+                        "reported (the prefix still runs the whole predictor backward)")]

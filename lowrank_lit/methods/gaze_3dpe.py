@@ -308,7 +308,7 @@ def _load_encoder(encoder: ParamEncoder, ckpt: str) -> None:
     encoder.load_state_dict({k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")})
 
 
-@register_method("gaze_3dpe", kind="LightningModule", paper=PAPER, summary="summary")
+@register_method("gaze_3dpe", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
 class ThreeDPEGaze(pl.LightningModule):
     """Gaze estimation with the frozen face prior, landmark cross-attention and text concepts (module docstring).
 
@@ -593,3 +593,12 @@ def summary(roots: list[str], out: str | None = None) -> str:
         ax.legend(fontsize=8)
         save_figure(fig, out)
     return text
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Training-step time of 3DPE-Gaze (frozen prior + SCAM) against the plain CNN regressor (``lowrank bench gaze_3dpe``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("gaze_3dpe", "3DPE-Gaze training step (frozen face prior, SCAM losses)", "CNN regressor step",
+                        "configs/gaze_3dpe/full.yaml", "configs/gaze_3dpe/cnn.yaml", "reported",
+                        method_overrides=("--model.init_args.encoder_ckpt=null",), steps=8, quick_steps=3)]

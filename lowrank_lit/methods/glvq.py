@@ -562,7 +562,7 @@ def _stored_decode(r: GroupResult | None, shape: tuple[int, int]) -> torch.Tenso
     return _decode(r.G.float().double(), r.codes.double(), mu, scale, shape).float().double()
 
 
-@register_method("glvq", kind="Callback", paper=PAPER, summary="summary")
+@register_method("glvq", kind="Callback", paper=PAPER, summary="summary", bench="bench")
 class GLVQ(pl.Callback):
     """Post-training quantization at the start of ``lowrank test``: calibrate, quantize, evaluate, save.
 
@@ -677,3 +677,35 @@ def summary(roots: list[str], out: str | None = None) -> str:
         ax.legend(fontsize=8)
         save_figure(fig, out)
     return table
+
+
+def bench(ctx: Any) -> list[Any]:
+    """GLVQ's batched decode against RTN dequantization, and a cached GLVQLinear forward against nn.Linear
+    (``lowrank bench glvq``)."""
+    from lowrank_lit.bench import mib, ratio_row, tensor_bytes
+
+    side = ctx.size(1024, 256)
+    torch.manual_seed(0)
+    lin = nn.Linear(side, side).to(ctx.device)
+    q, _ = quantize_linear(lin, torch.randn(256, side, device=ctx.device), 2, 128, 8, "glvq", steps=ctx.size(5, 2))
+    W = lin.weight.detach()
+    Wg = W.reshape(side, side // 128, 128)
+    lo, hi = Wg.amin(dim=2, keepdim=True), Wg.amax(dim=2, keepdim=True)
+    step = (hi - lo).clamp_min(1e-12) / 3
+    codes = torch.round((Wg - lo) / step).clamp(0, 3).to(torch.uint8)
+
+    def decode() -> None:
+        q._cache = None
+        q.weight_hat()
+
+    times = ctx.compare({"GLVQ": decode, "RTN": lambda: (codes.to(torch.float32) * step + lo).reshape(side, side)},
+                        ctx.rounds(20, 3), warmup=1)
+    x = torch.randn(64, side, device=ctx.device)
+    q.weight_hat()
+    fwd = ctx.compare({"GLVQ": lambda: q(x), "dense": lambda: lin(x)}, ctx.rounds(50, 5), warmup=2)
+    note = f"{side} x {side}, groups of 128, d = 8, 2 bits"
+    return [ratio_row(ctx, "glvq", "GLVQ decode of a layer (batched float32)", "RTN dequantize (lo + step * q)", times,
+                      "GLVQ", "RTN", "our target <= 2x RTN", 2.0, note=note),
+            ratio_row(ctx, "glvq", "GLVQLinear forward (decoded weight cached)", "nn.Linear forward", fwd, "GLVQ", "dense",
+                      "reported (the cache holds a dense float weight)", memory=f"GLVQLinear {mib(tensor_bytes(q, q._cache))} vs "
+                      f"{mib(tensor_bytes(lin))}", note=note)]

@@ -477,7 +477,7 @@ def _n(x: Any) -> int:
     return int((next(iter(x.values())) if isinstance(x, dict) else x).shape[0])
 
 
-@register_method("icl_rank_retriever", kind="LightningModule", paper=PAPER, summary="summary")
+@register_method("icl_rank_retriever", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
 class ICLRetrieverModule(pl.LightningModule):
     """A bi-encoder in-context example retriever trained with SeDPO, InfoNCE or both.
 
@@ -844,3 +844,12 @@ def summary(roots: list[str], out: str | None = None) -> str:
                 "distinct top-1 exemplars per query:\n\n" + markdown_table(
                     ["retriever", "top-1 is the best", "pool share above the top-1", "distinct top-1 per query"], diag)
     return text
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Training-step time of SeDPO (with its frozen reference encoder) against InfoNCE (``lowrank bench icl_rank_retriever``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("icl_rank_retriever", "SeDPO training step (preference pairs + frozen reference)",
+                        "InfoNCE (Se^2) step", "configs/icl_rank_retriever/synthetic_sedpo.yaml",
+                        "configs/icl_rank_retriever/synthetic_infonce.yaml", "reported (the reference encoder's forward)")]

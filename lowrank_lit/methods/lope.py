@@ -95,7 +95,7 @@ def poison_share(pl_module: Any, input_ids: torch.Tensor, mask: torch.Tensor) ->
     return torch.stack(per_layer).mean(0)
 
 
-@register_method("lope", kind="Callback", paper=PAPER, summary="summary")
+@register_method("lope", kind="Callback", paper=PAPER, summary="summary", bench="bench")
 class LoPEStageCallback(Callback):
     """LoPE's two training stages and inference masking for every :class:`AsymmetricLoRALinear` with a poison expert.
 
@@ -229,3 +229,15 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
     return prompt_runs_table(roots, COLUMNS, out=out, title="LoPE vs LoRA / HydraLoRA on noisy training data",
                              label=_label, first="method", params=("params/adapter",))
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Training-step time of the LoPE adapter (3 + 1 experts, router) against LoRA (``lowrank bench lope``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("lope", "LoPE adapter training step (3 + 1 experts)", "LoRA step",
+                        "configs/lope/lope.yaml", "configs/lope/lora.yaml",
+                        "paper: no inference-time cost beyond an MoE-LoRA (reported)"),
+            ConfigBench("lope", "LoPE inference with B_D masked", "LoRA inference",
+                        "configs/lope/lope.yaml", "configs/lope/lora.yaml",
+                        "reported", verb="test", steps=8, quick_steps=3)]

@@ -498,7 +498,7 @@ def state_holding(states: torch.Tensor, epochs: torch.Tensor, theta: torch.Tenso
             "decode_transfer": _decode_accuracy(r_s[:half], theta[:half], r_m[half:], theta[half:])}
 
 
-@register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary")
+@register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
 class WhatHowModule(pl.LightningModule):
     """Continual learning over the task stream of :class:`CognitiveStreamDataModule`.
 
@@ -784,3 +784,12 @@ def summary(roots: list[str], out: str | None = None) -> str:
             ax.set_title(m, fontsize=8)
         save_figure(fig, out)
     return text
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Training-step time of the what/how system against the vanilla RNN (``lowrank bench lowrank_rnn_cl``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("lowrank_rnn_cl", "what/how training step (online HMM + composed low-rank RNN)",
+                        "vanilla RNN step", "configs/lowrank_rnn_cl/what_how.yaml", "configs/lowrank_rnn_cl/vanilla.yaml",
+                        "reported")]

@@ -92,7 +92,7 @@ def _schedule(kind: str, start: float, end: float, t: int, total: int) -> float:
     return end + (start - end) * 0.5 * (1 + math.cos(math.pi * frac))  # cosine
 
 
-@register_method("nanoadam", kind="Optimizer", paper=PAPER, summary="summary")
+@register_method("nanoadam", kind="Optimizer", paper=PAPER, summary="summary", bench="bench")
 class NanoAdam(SeededOptimizer):
     """Adam on the k smallest-magnitude entries of each weight matrix, re-selected periodically.
 
@@ -373,3 +373,19 @@ def summary(roots: list[str], out: str | None = None) -> str:
     if out:
         plot_summary(rows, out)
     return summary_table(rows)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """NanoAdam's optimizer state and step time against AdamW on a byte-level Llama (``lowrank bench nanoadam``)."""
+    from lowrank_lit.bench import BenchRow, mib, ratio_row
+    from lowrank_lit.methods.is_lowrank import optimizer_bench_models
+
+    models = optimizer_bench_models(ctx, {"AdamW": lambda g: torch.optim.AdamW(g, lr=1e-3),
+                                          "NanoAdam": lambda g: NanoAdam(g, lr=1e-3, density=0.05, mask_interval=100)})
+    times = ctx.compare({k: m.step for k, m in models.items()}, ctx.rounds(30, 4), warmup=2)
+    a, n = (models[k].matrix_state_bytes() for k in ("AdamW", "NanoAdam"))
+    return [ratio_row(ctx, "nanoadam", "NanoAdam (density 0.05) training step", "AdamW step", times, "NanoAdam", "AdamW",
+                      "reported", memory=f"state {mib(n)} vs {mib(a)}", note=models["AdamW"].note),
+            BenchRow("nanoadam", "NanoAdam optimizer state of the matrices", "AdamW's", n / a, (n / a, n / a),
+                     "paper: about 2 x density of AdamW's for the tuned matrices; our target <= 0.15x", 0.15,
+                     f"{mib(n)} vs {mib(a)}", "attention / MLP matrices (embeddings and head: dense Adam)", ctx.device, "memory")]

@@ -158,7 +158,7 @@ def _slope(x: list[float], y: list[float]) -> float:
     return float((lx * (ly - ly.mean())).sum() / (lx * lx).sum())
 
 
-@register_method("pinv_bounds", kind="Analysis", paper="Perturbation Bounds for Low-Rank Inverse Approximations under Noise")
+@register_method("pinv_bounds", kind="Analysis", paper="Perturbation Bounds for Low-Rank Inverse Approximations under Noise", bench="bench")
 class PinvBoundStudy(pl.LightningModule):
     """Parameter-free LightningModule: ``lowrank test --config configs/pinv_bounds/<x>.yaml``.
 
@@ -265,3 +265,19 @@ def _plot_study(table: list[dict], path: str) -> None:
     axes[0][0].set_ylabel("||(A+E)^-1_p - A_p^-1||")
     axes[0][0].legend(fontsize=7)
     save_figure(fig, path, dpi=110)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Cost of the low-rank inverse through shift-invert Lanczos (p smallest eigenpairs) against a full dense
+    eigendecomposition (``lowrank bench pinv_bounds``)."""
+    from lowrank_lit.bench import ratio_row
+    from lowrank_lit.linalg import smallest_eigenpairs
+
+    n, p = ctx.size(1000, 300), 10
+    g = torch.Generator().manual_seed(0)
+    q = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
+    A = (q * torch.logspace(0, 3, n, dtype=torch.float64)) @ q.T
+    times = ctx.compare({"lanczos": lambda: smallest_eigenpairs(A, p), "eigh": lambda: torch.linalg.eigh(A)},
+                        ctx.rounds(5, 2), warmup=1)
+    return [ratio_row(ctx, "pinv_bounds", f"p = {p} smallest eigenpairs (shift-invert Lanczos), n = {n}",
+                      "full eigendecomposition (torch.linalg.eigh)", times, "lanczos", "eigh", "reported (float64)")]

@@ -365,7 +365,7 @@ class AdamQ3R(torch.optim.Adam):
 
 
 # --------------------------------------------------------------------------------------- callback
-@register_method("q3r", kind="Callback", paper=PAPER, summary="compare")
+@register_method("q3r", kind="Callback", paper=PAPER, summary="compare", bench="bench")
 class Q3R(Callback):
     """Q3R as a Lightning Callback: add it to ``trainer.callbacks`` of any run.
 
@@ -622,3 +622,13 @@ def compare(experiment_dirs: Sequence[str], out: str | None = None) -> str:
     if out:
         plot_truncation(series, out)
     return markdown_table(header, rows)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Training-step time of Q3R + Adam against AdamW on the ViT-Tiny digits configs (``lowrank bench q3r``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    name = ctx.size("vit_tiny_digits", "mlp_digits")  # quick: the MLP (the ViT's data setup takes a minute)
+    return [ConfigBench("q3r", f"Q3R + Adam training step ({name}, period 5)", "AdamW step",
+                        f"configs/q3r/{name}.yaml", f"configs/q3r/{name}_adamw.yaml",
+                        "paper: a small overhead over AdamW; our target <= 1.15x", 1.15, steps=20, quick_steps=6)]

@@ -119,7 +119,7 @@ class StyleExtractor(nn.Module):
         return torch.cat(parts)  # (sum of channels,)
 
 
-@register_method("reservoir_tta", kind="TTAMethod", paper=PAPER, summary="summary")
+@register_method("reservoir_tta", kind="TTAMethod", paper=PAPER, summary="summary", bench="bench")
 class ReservoirTTA(TTAWrapper):
     """A reservoir of copies of ``method``'s adapted state, one per discovered domain (see module docstring).
 
@@ -361,3 +361,15 @@ def summary(roots: list[str], out: str | None = None) -> str:
     if out:
         plot_recurrence({r["method"]: r["per_recurrence"] for r in rows}, out)
     return summary_table(rows)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Time per test batch of Tent + ReservoirTTA against plain Tent on the digits CSC stream (random source
+    weights) (``lowrank bench reservoir_tta``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("reservoir_tta", "Tent + ReservoirTTA per test batch", "Tent per batch",
+                        "configs/reservoir_tta/csc_digits.yaml", "configs/reservoir_tta/csc_digits_tent.yaml",
+                        "our target <= 1.5x (routing + ensembling)", 1.5,
+                        overrides=("--model.init_args.source_ckpt=null",), verb="test", steps=24, quick_steps=6,
+                        rounds=3)]

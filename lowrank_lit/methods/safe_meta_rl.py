@@ -385,7 +385,7 @@ class _MetaTestMixin:
         self._eval(batch, "test")
 
 
-@register_method("safe_meta_rl", kind="LightningModule", paper=PAPER, summary="summary")
+@register_method("safe_meta_rl", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
 class SafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
     """Safe meta-training of tabular softmax logits on a :class:`lowrank_lit.envs.SafeGridNav` family, and
     meta-testing by ``adapt_steps`` successive adaptation steps on each held-out task (manual optimisation).
@@ -773,3 +773,27 @@ class NeuralSafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.policy.parameters(), lr=self.hparams.meta_lr)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Time of one meta-gradient, first order (Hessian-free safe step) against second-order MAML, on SafeGridNav
+    at the 6 x 6 grid of the experiment and a larger one (``lowrank bench safe_meta_rl``)."""
+    from lowrank_lit.bench import ratio_row
+    from lowrank_lit.envs import SafeGridNav
+
+    rows = []
+    for n in ctx.size((6, 18), (6, 10)):
+        env = SafeGridNav(size=n)
+        pi = torch.zeros(env.S, env.A, dtype=torch.float64)
+        for s in range(env.S):  # feasible anchor: along row 0, then down the last column
+            i, j = divmod(s, n)
+            pi[s, 1 if i == 0 and j < n - 1 else 2] = 1
+        phi = (0.9 * pi + 0.1 / env.A).log()
+        tasks = list(range(min(3, env.num_tasks)))
+        times = ctx.compare({"first order": lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "safe"),
+                             "second order": lambda e=env, p=phi, t=tasks: second_order_meta_grad(e, p, t, 1.0, 1.0)},
+                            ctx.rounds(10, 3), warmup=1)
+        rows.append(ratio_row(ctx, "safe_meta_rl", f"Hessian-free meta-gradient, {n} x {n} grid ({env.S} states)",
+                              "second-order MAML meta-gradient", times, "first order", "second order",
+                              "paper: first order, no Hessian: cheaper; our target <= 1.0x", 1.0, note="3 tasks"))
+    return rows

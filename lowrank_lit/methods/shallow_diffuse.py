@@ -376,7 +376,7 @@ class NoiseDataModule(pl.LightningDataModule):
         return DataLoader(_Noises(self.n, self.shape, self.batch_size, self.seed), batch_size=None)
 
 
-@register_method("shallow_diffuse", kind="Analysis", paper=PAPER, summary="summary")
+@register_method("shallow_diffuse", kind="Analysis", paper=PAPER, summary="summary", bench="bench")
 class ShallowDiffuseEval(pl.LightningModule):
     """Embed a watermark into images generated from each initial noise, attack them, detect (``lowrank test``).
 
@@ -581,3 +581,13 @@ def summary(roots: list[str], out: str | None = None) -> str:
         table.append([*label, len(runs), *metric, *aucs])
     return markdown_table(["method", "denoiser", "t_frac", "image side", "runs", "PSNR (dB)", "class flips",
                            "null-space fraction", "pixels outside [-1, 1]", *(f"AUC (TPR@1%) {a}" for a in attacks)], table)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Time per test batch (embed, attack, detect) of Shallow Diffuse against Tree-Ring on MoLRG (``lowrank bench shallow_diffuse``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("shallow_diffuse", "Shallow Diffuse embed + detect per batch", "Tree-Ring per batch",
+                        "configs/shallow_diffuse/molrg_shallow_diffuse.yaml", "configs/shallow_diffuse/molrg_tree_ring.yaml",
+                        "paper: injects at t = 0.3 T instead of T (fewer inversion steps); reported", verb="test",
+                        steps=2, quick_steps=1, rounds=3)]

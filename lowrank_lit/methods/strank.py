@@ -233,7 +233,7 @@ def strank_pair_loss(
     return loss
 
 
-@register_method("strank", kind="Loss", paper=PAPER, summary="summary")
+@register_method("strank", kind="Loss", paper=PAPER, summary="summary", bench="bench")
 class STRankLoss(nn.Module):
     """STRank's relative-expression loss as a module: ``loss(pred, counts, groups)``.
 
@@ -434,3 +434,12 @@ def summary(roots: Sequence[str], out: str | None = None, metric: str = "test/sp
     if out:
         plot_curves(dirs, out)
     return summary_table(summarize(dirs, metric), metric)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Training-step time with the STRank loss against MSE on the synthetic slides (``lowrank bench strank``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    return [ConfigBench("strank", "training step with the STRank list loss", "MSE(log1p) step",
+                        "configs/strank/synthetic_imbalanced.yaml", "configs/strank/synthetic_imbalanced_mse.yaml",
+                        "paper: a drop-in loss (reported)")]

@@ -237,7 +237,7 @@ class _PseudoLabelMixin:
             return self.model(x)
 
 
-@register_method("trust", kind="TTAMethod", paper=PAPER, summary="summary")
+@register_method("trust", kind="TTAMethod", paper=PAPER, summary="summary", bench="bench")
 class TRUST(_PseudoLabelMixin, TTAMethod):
     """TRUST test-time adaptation (see the module docstring); run it inside ``lowrank_lit.tta.TTAModule``.
 
@@ -551,3 +551,20 @@ def plot_accuracy(rows: list[dict[str, Any]], out: str) -> str:
     ax.set_title("Test-time adaptation: accuracy per corruption (mean over runs)", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save_figure(fig, out)
+
+
+def bench(ctx: Any) -> list[Any]:
+    """Time per test batch of TRUST against Tent, and of its parallel mode against its sequential one, on the
+    digits-C TinyVMamba (random source weights: the cost does not depend on them) (``lowrank bench trust``)."""
+    from lowrank_lit.bench import ConfigBench
+
+    none = ("--model.init_args.source_ckpt=null",)
+    return [ConfigBench("trust", "TRUST K = 6 per test batch (sequential)", "Tent per batch",
+                        "configs/trust/digits_c_trust.yaml", "configs/trust/digits_c_tent.yaml",
+                        "paper: K forward/backward passes per batch (~K x Tent)", 6.0, overrides=none, verb="test",
+                        steps=8, quick_steps=3),
+            ConfigBench("trust", "TRUST K = 6 parallel mode per test batch", "TRUST sequential per batch",
+                        "configs/trust/digits_c_trust.yaml", "configs/trust/digits_c_trust.yaml",
+                        "paper: parallel costs memory, not time; our target <= 0.5x", 0.5, overrides=none,
+                        method_overrides=("--model.init_args.method.init_args.mode=parallel",), verb="test", steps=8,
+                        quick_steps=3)]

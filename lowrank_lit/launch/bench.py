@@ -1,0 +1,213 @@
+"""``lowrank bench``: run the registered cost benchmarks of the methods and print (or write) one table.
+
+The benchmarks and their helpers live in :mod:`lowrank_lit.bench` and beside each method; this module resolves
+them, runs the :class:`~lowrank_lit.bench.ConfigBench` comparisons (two configs built as ``lowrank fit`` /
+``lowrank test`` builds them, timed per step by a callback) and writes docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from lowrank_lit.bench import BenchContext, BenchRow, ConfigBench, bench_table
+
+__all__ = ["get_bench", "run_benches", "run_config_bench", "main"]
+
+
+def get_bench(slug: str) -> Callable[[BenchContext], list[BenchRow | ConfigBench]]:
+    """The benchmark function the registration of ``slug`` names.
+
+    Raises:
+        KeyError: ``slug`` is not registered, or registers no benchmark (the message names the ones that do).
+    """
+    import importlib
+
+    from lowrank_lit import registry
+
+    methods = {m.slug: m for m in registry.scan_methods()}
+    info = methods.get(slug)
+    if info is None or info.bench is None:
+        known = ", ".join(sorted(s for s, m in methods.items() if m.bench)) or "(none)"
+        what = "is not a registered method" if info is None else "registers no benchmark"
+        raise KeyError(f"{slug!r} {what}; methods with a benchmark: {known}")
+    module, _, name = info.bench.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class _StepTimer:
+    """Lightning callback: the wall time of every training step or test batch (CUDA synchronised)."""
+
+    def __init__(self, ctx: BenchContext, verb: str) -> None:
+        import lightning.pytorch as pl
+
+        timer = self
+
+        class Timer(pl.Callback):
+            def _start(self, *args: Any) -> None:
+                ctx.sync()
+                timer.t0 = time.perf_counter()
+
+            def _end(self, *args: Any) -> None:
+                ctx.sync()
+                timer.times.append(time.perf_counter() - timer.t0)
+
+        hooks = ("on_train_batch_start", "on_train_batch_end") if verb == "fit" else ("on_test_batch_start", "on_test_batch_end")
+        setattr(Timer, hooks[0], Timer._start)
+        setattr(Timer, hooks[1], Timer._end)
+        self.callback = Timer()
+        self.times: list[float] = []
+        self.t0 = 0.0
+
+
+def _build(config: str, overrides: Sequence[str], verb: str) -> tuple[Any, Any, list[Any]]:
+    """The model, data module and method callbacks of ``lowrank <verb> --config config overrides`` (no run dir, no
+    logger, no checkpointing)."""
+    import lightning.pytorch as pl
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lowrank_lit.launch.lightning_cli import build_parser
+    from lowrank_lit.registry import project_root
+
+    cfg = build_parser(verb).parse_args(["--config", str(project_root() / config), *overrides])
+
+    def build(key: str, base: type, value: Any) -> Any:
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_subclass_arguments(base, key, fail_untyped=False, required=True)
+        return parser.instantiate_classes(parser.parse_object({key: value}))[key]
+
+    if cfg.get("seed_everything") is not None:
+        pl.seed_everything(int(cfg.seed_everything), verbose=False)
+    model = build("model", pl.LightningModule, cfg.model)
+    data = build("data", pl.LightningDataModule, cfg.data) if cfg.get("data") else None
+    callbacks = [build("callback", pl.Callback, c) for c in (cfg.trainer.get("callbacks") or [])]
+    return model, data, [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+
+
+def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
+    """Time ``spec``'s two configs in interleaved rounds; the row's ratio is the median of the per-round ratios."""
+    import logging
+
+    import lightning.pytorch as pl
+
+    for name in ("lightning.pytorch", "lightning.fabric"):  # no "GPU available" lines per round
+        logging.getLogger(name).setLevel(logging.WARNING)
+    steps = spec.quick_steps if ctx.quick else spec.steps
+    rounds = ctx.rounds(spec.rounds)
+    built = {"method": _build(spec.config, (*spec.overrides, *spec.method_overrides), spec.verb),
+             "baseline": _build(spec.baseline_config, spec.overrides, spec.verb)}
+    per_round: dict[str, list[float]] = {"method": [], "baseline": []}
+    for _ in range(rounds):
+        for name, (model, data, callbacks) in built.items():
+            timer = _StepTimer(ctx, spec.verb)
+            limit = {"max_steps": steps, "limit_val_batches": 0, "num_sanity_val_steps": 0} if spec.verb == "fit" \
+                else {"limit_test_batches": steps}
+            trainer = pl.Trainer(accelerator="gpu" if ctx.device.startswith("cuda") else "cpu", devices=1, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 inference_mode=False, callbacks=[*callbacks, timer.callback], **limit)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                (trainer.fit if spec.verb == "fit" else trainer.test)(model, datamodule=data, **({"verbose": False} if spec.verb == "test" else {}))
+            times = timer.times[1:] or timer.times
+            per_round[name].append(statistics.median(times))
+    ratios = [a / b for a, b in zip(per_round["method"], per_round["baseline"], strict=True)]
+    unit = "step" if spec.verb == "fit" else "test batch"
+    note = (f"{1e3 * statistics.median(per_round['method']):.1f} vs {1e3 * statistics.median(per_round['baseline']):.1f} "
+            f"ms per {unit}; {spec.config}{' ' + ' '.join(spec.method_overrides) if spec.method_overrides else ''} "
+            f"vs {spec.baseline_config}")
+    return BenchRow(spec.method, spec.compared, spec.baseline, statistics.median(ratios), (min(ratios), max(ratios)),
+                    spec.claim, spec.target, note=note, device=ctx.device)
+
+
+def run_benches(slugs: Iterable[str], ctx: BenchContext, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
+    """Run the benchmarks of ``slugs`` in order; every row they return (:class:`ConfigBench` entries executed)."""
+    rows: list[BenchRow] = []
+    for slug in slugs:
+        start = time.perf_counter()
+        got = [run_config_bench(ctx, r) if isinstance(r, ConfigBench) else r for r in get_bench(slug)(ctx)]
+        rows += got
+        if progress:
+            progress(f"{slug}: {len(got)} row(s) in {time.perf_counter() - start:.0f} s")
+    return rows
+
+
+def _machine(device: str) -> str:
+    import os
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.get_num_threads()} threads " \
+           f"(torch {torch.__version__})"
+
+
+def main(argv: Sequence[str]) -> int:
+    """``lowrank bench [SLUG ...] [--quick] [--device cpu|cuda] [--repeats N] [--out FILE]``."""
+    import argparse
+    import shlex
+    from pathlib import Path
+
+    from lowrank_lit import registry
+
+    with_bench = sorted(m.slug for m in registry.scan_methods() if m.bench)
+    parser = argparse.ArgumentParser(prog="lowrank bench", description="Every method's cost as a ratio against its "
+                                     "baseline, measured in the same process (one table).")
+    parser.add_argument("slugs", nargs="*", metavar="SLUG", help=f"methods to run (default: all): {', '.join(with_bench)}")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run (minutes)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (CUDA synchronised around every timed region)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default: each benchmark's)")
+    parser.add_argument("--out", help="also write the table as a markdown page (e.g. docs/performance.md)")
+    args = parser.parse_args(list(argv))
+    unknown = [s for s in args.slugs if s not in with_bench]
+    if unknown:
+        parser.error(f"SLUG: {unknown[0]!r} has no benchmark; choose from {', '.join(with_bench)}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        parser.error(f"--device: {args.device!r} is not one of cpu, cuda")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device: {args.device!r} asked for, but torch sees no CUDA device on this machine")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats: {args.repeats} must be >= 1")
+    ctx = BenchContext(args.device, args.quick, args.repeats)
+    start = time.perf_counter()
+    rows = run_benches(args.slugs or with_bench, ctx, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    table = bench_table(rows)
+    print(table)
+    if args.out:
+        command = shlex.join(["lowrank", "bench", *argv])
+        head = _PAGE_HEAD.format(command=command, machine=_machine(args.device),
+                                 minutes=(time.perf_counter() - start) / 60, quick=" (quick mode: indicative only)" if args.quick else "")
+        Path(args.out).write_text(head + table + "\n" + _PAGE_TAIL)
+        print(args.out, file=sys.stderr)
+    return 0
+
+
+_PAGE_HEAD = """# Performance: every method against its baseline
+
+Each row times a method and its baseline in the same process, on the same inputs, in interleaved rounds (so machine
+noise hits both alike); the ratio is the median of the per-round ratios, with their min and max. A row is met when
+the ratio is at most the target named beside it (the paper's claim where it makes one, else ours). On a GPU the
+timed regions are CUDA-synchronised and the memory column is the peak `torch.cuda.max_memory_allocated`; on the CPU
+it is the bytes of the tensors the method holds (optimizer state, adapters, caches).
+
+```bash
+{command}
+```
+
+Machine: {machine}; {minutes:.1f} min{quick}.
+
+"""
+
+_PAGE_TAIL = """
+`lowrank bench SLUG` runs one method's rows; `--quick` is the smoke run that CI makes (no timing asserted);
+`--device cuda` runs the same benchmarks on a GPU.
+"""
