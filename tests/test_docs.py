@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
@@ -128,3 +129,72 @@ def test_every_yaml_block_parses(page, line, text, tmp_path, monkeypatch):
         monkeypatch.chdir(ROOT)
         (tmp_path / "example.yaml").write_text(text)
         static_check(load_sweep(tmp_path / "example.yaml"))
+
+
+def _quick_runs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quick_runs", ROOT / "benchmarks" / "quick_runs.py")
+    if spec.name not in sys.modules:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[spec.name]
+
+
+def _paper_slugs() -> list[str]:
+    from lowrank_lit.registry import scan_methods
+
+    return sorted(m.slug for m in scan_methods() if m.slug != "baseline")
+
+
+@pytest.mark.parametrize("slug", _paper_slugs())
+def test_method_page_starts_with_a_quick_run(slug):
+    """The first section of every method page is one run a user can start now: `lowrank` commands of configs that
+    exist, each with the verb its config asks for, its time on a laptop CPU and the number it prints."""
+    from lowrank_lit.launch.checks import config_header
+
+    run = _quick_runs().quick_run(ROOT / "docs" / "methods" / f"{slug}.md")
+    assert run.seconds > 0 and run.key
+    done: list[str] = []
+    for command in run.commands:
+        verb, config = command[1], command[command.index("--config") + 1]
+        assert (ROOT / config).is_file(), config
+        assert config.startswith(f"configs/{slug}/"), f"{slug}: the quick run uses another method's config {config}"
+        header = config_header(ROOT / config)
+        assert header.command in (None, verb), f"{config} runs with `lowrank {header.command}`, the page says {verb}"
+        assert not (header.gpu or header.your_data), f"{config} needs {header.needs()}: not a quick run"
+        if header.first:  # what it starts from runs before it, in the same block
+            assert header.first.split("--config")[1].split()[0] in done, f"{config}: run `{header.first}` first"
+        done.append(config)
+
+
+def test_quick_run_parser_refuses_a_page_without_one(tmp_path):
+    quick = _quick_runs()
+    page = tmp_path / "m.md"
+    page.write_text("# M\n\nIntro.\n\n## Results\n\n```bash\nlowrank fit --config configs/m/a.yaml\n```\n")
+    with pytest.raises(ValueError, match="first section must be '## Try it'"):
+        quick.quick_run(page)
+    page.write_text("# M\n\n## Try it\n\n```bash\nlowrank fit --config configs/m/a.yaml\n```\n\nIt is quick.\n")
+    with pytest.raises(ValueError, match="ends with `KEY VALUE`"):
+        quick.quick_run(page)
+    page.write_text("# M\n\n## Try it\n\n```bash\nlowrank fit --config configs/m/a.yaml && \\\n  lowrank test "
+                    "--config configs/m/b.yaml\n```\n\nAbout 2 min on a 2-core laptop CPU; it ends with `test/acc 0.97`.\n")
+    run = quick.quick_run(page)
+    assert run.seconds == 120 and (run.key, run.value, run.decimals) == ("test/acc", 0.97, 2)
+    assert [c[:2] for c in run.commands] == [["lowrank", "fit"], ["lowrank", "test"]]
+    log = "test: test/acc 0.9711  test/loss 0.12\n│ test/acc │ 0.9711111 │\nval/test/acc 0.1"
+    assert quick.printed_value(log, "test/acc") == 0.9711111 and quick.printed_value(log, "test/f1") is None
+    assert quick.agrees(run, 0.9711) and not quick.agrees(run, 0.95)
+
+
+@pytest.mark.slow
+def test_every_quick_run_prints_what_its_page_says(tmp_path):
+    """Runs the 19 quick runs (about 40 min on 2 cores) and compares the printed number with the page."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "LOWRANK_RUN_ROOT": str(tmp_path / "runs")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quick_runs.py"), "--check"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -663,6 +663,10 @@ class WhatHowModule(pl.LightningModule):
             return
         save_rows(self.trainer, self.matrix, "forgetting.csv")
         tasks = self._dm.eval_tasks
+        # the forgetting matrix on stdout: one line per stage, `forget/after_<k>_<task>/<eval task> <accuracy>`
+        print(f"accuracy on every task after every stage ({self.method}; zero-shot: tasks not trained yet):")
+        for stage, r in enumerate(self.matrix):
+            print("  " + "  ".join(f"forget/after_{stage}_{r['trained']}/{t} {r[t]:.3f}" for t in tasks))
         fig, ax = new_figure(figsize=(1.4 * len(tasks) + 1.5, 0.6 * len(self.matrix) + 1.2))
         m = [[r[t] for t in tasks] for r in self.matrix]
         ax.imshow(m, vmin=0, vmax=1, cmap="viridis")
