@@ -83,9 +83,11 @@ def _build(config: str, overrides: Sequence[str], verb: str) -> tuple[Any, Any, 
 
     if cfg.get("seed_everything") is not None:
         pl.seed_everything(int(cfg.seed_everything), verbose=False)
-    model = build("model", pl.LightningModule, cfg.model)
-    data = build("data", pl.LightningDataModule, cfg.data) if cfg.get("data") else None
-    callbacks = [build("callback", pl.Callback, c) for c in (cfg.trainer.get("callbacks") or [])]
+    with warnings.catch_warnings():  # "no pretrained checkpoint": random weights are what a cost benchmark wants
+        warnings.simplefilter("ignore", UserWarning)
+        model = build("model", pl.LightningModule, cfg.model)
+        data = build("data", pl.LightningDataModule, cfg.data) if cfg.get("data") else None
+        callbacks = [build("callback", pl.Callback, c) for c in (cfg.trainer.get("callbacks") or [])]
     return model, data, [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
 
 

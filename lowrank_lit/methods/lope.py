@@ -240,4 +240,7 @@ def bench(ctx: Any) -> list[Any]:
                         "paper: no inference-time cost beyond an MoE-LoRA (reported)"),
             ConfigBench("lope", "LoPE inference with B_D masked", "LoRA inference",
                         "configs/lope/lope.yaml", "configs/lope/lora.yaml",
-                        "reported", verb="test", steps=8, quick_steps=3)]
+                        "reported", verb="test", steps=8, quick_steps=3),
+            ConfigBench("lope", "our LoRA training step (lowrank_lit.nn.lora, r = 8)", "HF peft LoRA step",
+                        "configs/peft_bench/lora.yaml", "configs/peft_bench/peft_lora.yaml",
+                        "peer library: the same forward to 1e-6 (tests/test_lora.py); reported")]

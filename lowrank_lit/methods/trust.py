@@ -556,10 +556,28 @@ def plot_accuracy(rows: list[dict[str, Any]], out: str) -> str:
 def bench(ctx: Any) -> list[Any]:
     """Time per test batch of TRUST against Tent, and of its parallel mode against its sequential one, on the
     digits-C TinyVMamba (random source weights: the cost does not depend on them) (``lowrank bench trust``)."""
-    from lowrank_lit.bench import ConfigBench
+    import torch.nn.functional as F
 
+    from lowrank_lit.bench import ConfigBench, ratio_row
+    from lowrank_lit.models.vmamba import selective_scan
+
+    g = torch.Generator().manual_seed(0)
+    length = ctx.size(64, 16)
+    scan_in = (torch.randn(64, length, 32, generator=g), F.softplus(torch.randn(64, length, 32, generator=g)),
+               -torch.exp(torch.randn(32, 4, generator=g)), torch.randn(64, length, 4, generator=g),
+               torch.randn(64, length, 4, generator=g), torch.randn(32, generator=g))
+    scan_in = tuple(t.to(ctx.device) for t in scan_in)
+
+    def scan(parallel: bool) -> None:
+        inputs = [t.detach().requires_grad_() for t in scan_in]
+        selective_scan(*inputs, parallel=parallel).sum().backward()
+
+    times = ctx.compare({"loop": lambda: scan(False), "mambapy": lambda: scan(True)}, ctx.rounds(10, 3), warmup=1)
     none = ("--model.init_args.source_ckpt=null",)
-    return [ConfigBench("trust", "TRUST K = 6 per test batch (sequential)", "Tent per batch",
+    return [ratio_row(ctx, "trust", f"our step-by-step selective scan, forward + backward (L = {length})",
+                      "mambapy's parallel scan (pscan, the SS2D default)", times, "loop", "mambapy",
+                      "peer library: same output (tests/test_vmamba.py); reported", note="batch 64, d 32, N 4"),
+            ConfigBench("trust", "TRUST K = 6 per test batch (sequential)", "Tent per batch",
                         "configs/trust/digits_c_trust.yaml", "configs/trust/digits_c_tent.yaml",
                         "paper: K forward/backward passes per batch (~K x Tent)", 6.0, overrides=none, verb="test",
                         steps=8, quick_steps=3),
