@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SafeGridNav", "Evaluation", "evaluate", "state_occupancy"]
+__all__ = ["SafeGridNav", "Evaluation", "evaluate", "evaluate_many", "state_occupancy"]
 
 MOVES = ((-1, 0), (0, 1), (1, 0), (0, -1))  # up, right, down, left (row, col)
 
@@ -58,6 +58,27 @@ def evaluate(P: torch.Tensor, pi: torch.Tensor, r: torch.Tensor, mu0: torch.Tens
     V = torch.linalg.solve(torch.eye(S, dtype=P.dtype) - gamma * P_pi, r_pi)
     Q = r + gamma * torch.einsum("sat,t->sa", P, V)
     return Evaluation(V=V, Q=Q, A=Q - V[:, None], J=mu0 @ V)
+
+
+def evaluate_many(P: torch.Tensor, pi: torch.Tensor, rewards: list[torch.Tensor], mu0: torch.Tensor,
+                  gamma: float) -> tuple[list[Evaluation], torch.Tensor]:
+    """:func:`evaluate` of one policy on several rewards and its :func:`state_occupancy`, from one LU factorisation of
+    ``I - gamma P_pi`` (every value a solve with it, the occupancy a solve with its transpose): the same values as
+    :func:`evaluate` and :func:`state_occupancy`, with one factorisation instead of one per call."""
+    if not 0 <= gamma < 1:
+        raise ValueError(f"evaluate_many: gamma={gamma!r}; allowed: [0, 1)")
+    S, A = rewards[0].shape
+    _check_policy(pi.detach(), S, A)
+    P_pi = torch.einsum("sa,sat->st", pi, P)  # (S, S)
+    lu = torch.linalg.lu_factor(torch.eye(S, dtype=P.dtype) - gamma * P_pi)
+    r_pi = torch.stack([(pi * r).sum(1) for r in rewards], 1)  # (S, K)
+    V = torch.linalg.lu_solve(*lu, r_pi)  # (S, K)
+    occ = (1 - gamma) * torch.linalg.lu_solve(*lu, mu0[:, None], adjoint=True)[:, 0]  # (S,)
+    out = []
+    for k, r in enumerate(rewards):
+        Q = r + gamma * torch.einsum("sat,t->sa", P, V[:, k])
+        out.append(Evaluation(V=V[:, k], Q=Q, A=Q - V[:, k, None], J=mu0 @ V[:, k]))
+    return out, occ
 
 
 class SafeGridNav:

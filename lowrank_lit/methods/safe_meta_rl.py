@@ -225,10 +225,31 @@ def adapt_tabular(env: Any, pi: torch.Tensor, task: int, eta: float, kappa: floa
 def hessian_free_meta_grad(env: Any, phi: torch.Tensor, tasks: list[int], eta: float, kappa: float,
                            mode: str = "safe") -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over ``tasks`` of ``grad_phi J_r(softmax(phi + z))`` with z held fixed (exact, no Hessian), and the
-    adapted returns. An infeasible anchor contributes the gradient at the anchor (no step; counted)."""
+    adapted returns. An infeasible anchor contributes the gradient at the anchor (no step; counted).
+
+    The anchor is evaluated once for all tasks (its cost value and occupancy do not depend on the task; the tasks'
+    rewards share one factorisation), and the adapted policy only on the reward (its cost is not needed)."""
     pi = torch.softmax(phi, 1)
     grad = torch.zeros_like(phi)
     stats = {"adapted_J_r": 0.0, "infeasible": 0.0, "nu": 0.0}
+    if mode != "pg_lagrange" and hasattr(env, "P"):  # the tabular family: one evaluation of the anchor
+        from lowrank_lit.envs.gridnav import evaluate_many
+
+        log_pi0 = _log_policy(pi)
+        (ec, *ers), occ0 = evaluate_many(env.P, pi, [env.c, *(env.reward(t) for t in tasks)], env.mu0, env.gamma)
+        budget = (1 - env.gamma) * (env.limit - float(ec.J))
+        for t, er in zip(tasks, ers, strict=True):
+            try:
+                nu = solve_dual(log_pi0, er.A, ec.A, occ0, budget, eta, kappa) if mode == "safe" else 0.0
+                pi1 = tilt(log_pi0, er.A, ec.A, nu, eta, kappa)[0].exp()
+            except InfeasibleAnchorError:
+                pi1, nu = pi, float("nan")
+                stats["infeasible"] += 1
+            (er1,), occ1 = evaluate_many(env.P, pi1, [env.reward(t)], env.mu0, env.gamma)
+            grad += _softmax_gradient(occ1, pi1, er1.A, env.gamma)
+            stats["adapted_J_r"] += float(er1.J) / len(tasks)
+            stats["nu"] += (0.0 if math.isnan(nu) else nu) / len(tasks)
+        return grad / len(tasks), stats
     for t in tasks:
         try:
             pi1, _, nu = adapt_tabular(env, pi, t, eta, kappa, mode)

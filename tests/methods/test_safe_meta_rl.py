@@ -365,3 +365,44 @@ def test_tilt_rejects_rows_that_are_not_distributions():
     pi0, ar, ac, _c, _occ = _bandit()
     with pytest.raises(ValueError, match=r"tilt: log_pi0 row 0 sums to 1.5 as probabilities"):
         tilt((1.5 * pi0).log(), ar, ac, 0.0, 0.1, 0.1)
+
+
+def test_evaluate_many_equals_evaluate_and_occupancy():
+    from lowrank_lit.envs import SafeGridNav
+    from lowrank_lit.envs.gridnav import evaluate, evaluate_many, state_occupancy
+
+    env = SafeGridNav(size=5)
+    pi = torch.softmax(torch.randn(env.S, env.A, generator=torch.Generator().manual_seed(0), dtype=torch.float64), 1)
+    rewards = [env.c, env.reward(0), env.reward(1)]
+    evs, occ = evaluate_many(env.P, pi, rewards, env.mu0, env.gamma)
+    torch.testing.assert_close(occ, state_occupancy(env.P, pi, env.mu0, env.gamma), rtol=0, atol=1e-12)
+    for ev, r in zip(evs, rewards, strict=True):
+        ref = evaluate(env.P, pi, r, env.mu0, env.gamma)
+        for field in ("V", "Q", "A", "J"):
+            torch.testing.assert_close(getattr(ev, field), getattr(ref, field), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["safe", "unconstrained"])
+def test_meta_gradient_with_one_anchor_evaluation_equals_the_per_task_steps(mode):
+    """The meta-gradient evaluates the anchor once for all tasks; it equals adapting and evaluating task by task
+    (infeasible anchors included: the 6 x 6 random policies below violate the limit)."""
+    from lowrank_lit.envs import SafeGridNav
+    from lowrank_lit.methods.safe_meta_rl import (InfeasibleAnchorError, _softmax_gradient, adapt_tabular,
+                                                  hessian_free_meta_grad)
+
+    g = torch.Generator().manual_seed(0)
+    for size in (6, 10):
+        env = SafeGridNav(size=size)
+        tasks = [0, 1, 2]
+        phi = torch.randn(env.S, env.A, generator=g, dtype=torch.float64)
+        pi = torch.softmax(phi, 1)
+        ref = torch.zeros_like(phi)
+        for t in tasks:
+            try:
+                pi1 = adapt_tabular(env, pi, t, 0.1, 0.1, mode)[0]
+            except InfeasibleAnchorError:
+                pi1 = pi
+            er, _, occ = env.evaluate(pi1, t)
+            ref += _softmax_gradient(occ, pi1, er.A, env.gamma) / len(tasks)
+        got, _ = hessian_free_meta_grad(env, phi, tasks, 0.1, 0.1, mode)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
