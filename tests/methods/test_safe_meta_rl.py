@@ -387,8 +387,12 @@ def test_meta_gradient_with_one_anchor_evaluation_equals_the_per_task_steps(mode
     """The meta-gradient evaluates the anchor once for all tasks; it equals adapting and evaluating task by task
     (infeasible anchors included: the 6 x 6 random policies below violate the limit)."""
     from lowrank_lit.envs import SafeGridNav
-    from lowrank_lit.methods.safe_meta_rl import (InfeasibleAnchorError, _softmax_gradient, adapt_tabular,
-                                                  hessian_free_meta_grad)
+    from lowrank_lit.methods.safe_meta_rl import (
+        InfeasibleAnchorError,
+        _softmax_gradient,
+        adapt_tabular,
+        hessian_free_meta_grad,
+    )
 
     g = torch.Generator().manual_seed(0)
     for size in (6, 10):
