@@ -17,7 +17,11 @@ import torch
 from timing import median_time, recorded
 
 from lowrank_lit.envs import SafeGridNav
-from lowrank_lit.methods.safe_meta_rl import hessian_free_meta_grad, second_order_meta_grad
+from lowrank_lit.methods.safe_meta_rl import (
+    feasible_anchor_logits,
+    hessian_free_meta_grad,
+    second_order_meta_grad,
+)
 
 
 def main() -> None:
@@ -31,11 +35,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
         env = SafeGridNav(size=n)
-        pi = torch.zeros(env.S, env.A, dtype=torch.float64)
-        for s in range(env.S):  # feasible anchor: along row 0, then down the last column
-            i, j = divmod(s, n)
-            pi[s, 1 if i == 0 and j < n - 1 else 2] = 1
-        phi = (0.9 * pi + 0.1 / env.A).log()
+        phi = feasible_anchor_logits(env)
         tasks = list(range(min(args.tasks, env.num_tasks)))
         hf = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "safe"), args.repeats, warmup=1)
         hp = median_time(lambda e=env, p=phi, t=tasks: hessian_free_meta_grad(e, p, t, 0.1, 0.1, "pg_lagrange"), args.repeats, warmup=1)
