@@ -380,7 +380,23 @@ class _OptimizerBenchModel:
         """Bytes of the optimizer state of the compressed (attention / MLP) matrices: the first param group."""
         from lowrank_lit.bench import tensor_bytes
 
-        return tensor_bytes([self.optimizer.state[p] for p in self.optimizer.param_groups[0]["params"]])
+        states = [self.optimizer.state[p] for p in self.optimizer.param_groups[0]["params"]]
+        # galore-torch keeps its projector matrix on a GaLoreProjector object in the state, not as a tensor
+        projectors = [v.ortho_matrix for st in states for v in st.values() if hasattr(v, "ortho_matrix")]
+        return tensor_bytes(states, projectors)
+
+
+def _galore_adamw() -> Any:
+    """galore-torch's ``GaLoreAdamW`` when it is installed (the ``bench`` extra), else None."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from galore_torch import GaLoreAdamW
+    except Exception:  # not installed, or its bitsandbytes import fails on this machine
+        return None
+    return GaLoreAdamW
 
 
 def optimizer_bench_models(ctx: Any, makers: dict[str, Any]) -> dict[str, _OptimizerBenchModel]:
@@ -416,10 +432,22 @@ def bench(ctx: Any) -> list[Any]:
         "AdamW": lambda g: torch.optim.AdamW(g, lr=1e-3),
         "GaLore": lambda g: LowRankAdam(g, lr=1e-3, rank=r, update_proj_gap=50, selector="dominant"),
         "importance": lambda g: LowRankAdam(g, lr=1e-3, rank=r, update_proj_gap=50, selector="importance", seed=0)})
+    peer = _galore_adamw()
+    if peer is not None:  # galore-torch installed (pip install lowrank_lit[bench]): the reference implementation
+        models.update(optimizer_bench_models(ctx, {"galore-torch": lambda g: peer(
+            [{"params": g[0]["params"], "rank": r, "update_proj_gap": 50, "scale": 0.25, "proj_type": "std"},
+             *g[1:]], lr=1e-3, weight_decay=0.0, eps=1e-6)}))
     times = ctx.compare({k: m.step for k, m in models.items()}, ctx.rounds(60, 4), warmup=2)
     state = {k: m.matrix_state_bytes() for k, m in models.items()}
     note = models["AdamW"].note + f", rank {r}, refresh every 50 steps"
-    return [ratio_row(ctx, "is_lowrank", f"importance-sampled LowRankAdam step (r = {r})", "GaLore step", times, "importance",
+    rows = []
+    if peer is not None:
+        rows.append(ratio_row(ctx, "is_lowrank", f"our LowRankAdam in GaLore mode step (r = {r})",
+                              "galore-torch GaLoreAdamW step", times, "GaLore", "galore-torch",
+                              "peer library: the same matrix updates bit for bit (tests/methods/test_is_lowrank.py); "
+                              "reported", memory=f"matrix state {mib(state['GaLore'])} vs {mib(state['galore-torch'])}",
+                              note=note))
+    return rows + [ratio_row(ctx, "is_lowrank", f"importance-sampled LowRankAdam step (r = {r})", "GaLore step", times, "importance",
                       "GaLore", "paper: sampling costs about as much as GaLore's top-r; our target <= 1.1x", 1.1, note=note),
             ratio_row(ctx, "is_lowrank", f"importance-sampled LowRankAdam step (r = {r})", "AdamW step", times, "importance",
                       "AdamW", "reported (the SVD refresh every 50 steps is in the median's rounds)", note=note),

@@ -323,3 +323,27 @@ def test_lm_init_from_checkpoint(tmp_path):
         CausalLanguageModel(llama(hidden_size=32, intermediate_size=32, num_heads=2), init_from=str(path))
     with pytest.raises(FileNotFoundError, match="nope.ckpt"):
         CausalLanguageModel(llama(hidden_size=16, intermediate_size=32, num_heads=2), init_from=str(tmp_path / "nope.ckpt"))
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (48, 32)])
+def test_galore_mode_equals_galore_torch(shape):
+    """LowRankAdam with the dominant selector is GaLore: the same updates as galore-torch's GaLoreAdamW, bit for bit,
+    over refreshes of the projector (both sides of the `std` projection). Needs the `bench` extra."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        galore_torch = pytest.importorskip("galore_torch")
+    torch.manual_seed(0)
+    W = torch.nn.Parameter(torch.randn(*shape))
+    V = torch.nn.Parameter(W.detach().clone())
+    theirs = galore_torch.GaLoreAdamW([{"params": [W], "rank": 4, "update_proj_gap": 5, "scale": 0.25, "proj_type": "std"}],
+                                      lr=1e-2, weight_decay=0.0, eps=1e-6)
+    ours = LowRankAdam([V], lr=1e-2, rank=4, update_proj_gap=5, scale=0.25, selector="dominant", eps=1e-6)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        grad = torch.randn(*shape, generator=g)
+        W.grad, V.grad = grad.clone(), grad.clone()
+        theirs.step()
+        ours.step()
+    assert torch.equal(W, V)
