@@ -87,6 +87,7 @@ def test_config_bench_times_two_configs(monkeypatch):
                      ("configs/q3r/mlp_digits_adamw.yaml", ())]
     assert row.ratio > 0 and row.spread[0] <= row.ratio <= row.spread[1] and row.met in ("yes", "no")
     assert "ms per step" in row.note
+    assert row.memory.startswith("held ") and row.memory.count("MiB") == 2  # weights + optimizer state, both sides
 
 
 def test_quick_bench_of_every_method(tmp_path):

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from lowrank_lit.bench import BenchContext, BenchRow, ConfigBench, bench_table
+from lowrank_lit.bench import BenchContext, BenchRow, ConfigBench, bench_table, mib, tensor_bytes
 
 __all__ = ["get_bench", "run_benches", "run_config_bench", "main"]
 
@@ -104,6 +104,8 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
     built = {"method": _build(spec.config, (*spec.overrides, *spec.method_overrides), spec.verb),
              "baseline": _build(spec.baseline_config, spec.overrides, spec.verb)}
     per_round: dict[str, list[float]] = {"method": [], "baseline": []}
+    memory: dict[str, int] = {"method": 0, "baseline": 0}
+    cuda = ctx.device.startswith("cuda")
     for _ in range(rounds):
         for name, (model, data, callbacks) in built.items():
             timer = _StepTimer(ctx, spec.verb)
@@ -112,9 +114,17 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
             trainer = pl.Trainer(accelerator="gpu" if ctx.device.startswith("cuda") else "cpu", devices=1, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                                  inference_mode=False, callbacks=[*callbacks, timer.callback], **limit)
+            if cuda:
+                import torch
+
+                torch.cuda.reset_peak_memory_stats()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 (trainer.fit if spec.verb == "fit" else trainer.test)(model, datamodule=data, **({"verbose": False} if spec.verb == "test" else {}))
+            if cuda:  # the peak of the round: weights, activations, optimizer state
+                memory[name] = max(memory[name], int(torch.cuda.max_memory_allocated()))
+            else:  # the tensors the run holds: weights, buffers and optimizer state
+                memory[name] = tensor_bytes(model, trainer.optimizers)
             times = timer.times[1:] or timer.times
             per_round[name].append(statistics.median(times))
     ratios = [a / b for a, b in zip(per_round["method"], per_round["baseline"], strict=True)]
@@ -122,8 +132,9 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
     note = (f"{1e3 * statistics.median(per_round['method']):.1f} vs {1e3 * statistics.median(per_round['baseline']):.1f} "
             f"ms per {unit}; {spec.config}{' ' + ' '.join(spec.method_overrides) if spec.method_overrides else ''} "
             f"vs {spec.baseline_config}")
+    held = f"{'peak' if cuda else 'held'} {mib(memory['method'])} vs {mib(memory['baseline'])}"
     return BenchRow(spec.method, spec.compared, spec.baseline, statistics.median(ratios), (min(ratios), max(ratios)),
-                    spec.claim, spec.target, note=note, device=ctx.device)
+                    spec.claim, spec.target, memory=held, note=note, device=ctx.device)
 
 
 def run_benches(slugs: Iterable[str], ctx: BenchContext, progress: Callable[[str], None] | None = None) -> list[BenchRow]:
@@ -199,7 +210,8 @@ Each row times a method and its baseline in the same process, on the same inputs
 noise hits both alike); the ratio is the median of the per-round ratios, with their min and max. A row is met when
 the ratio is at most the target named beside it (the paper's claim where it makes one, else ours). On a GPU the
 timed regions are CUDA-synchronised and the memory column is the peak `torch.cuda.max_memory_allocated`; on the CPU
-it is the bytes of the tensors the method holds (optimizer state, adapters, caches).
+it is the bytes of the tensors a run holds (weights, buffers, optimizer state; for the hand-written rows the
+optimizer state, adapters or caches named in the row).
 
 ```bash
 {command}
