@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["BenchContext", "BenchRow", "ConfigBench", "ratio_row", "tensor_bytes", "mib", "bench_table"]
@@ -77,7 +77,6 @@ class BenchContext:
     device: str = "cpu"
     quick: bool = False
     repeats: int | None = None
-    log: list[str] = field(default_factory=list)
 
     def rounds(self, full: int, quick: int = 3) -> int:
         """The number of timed rounds: ``repeats`` if given, else ``quick`` in quick mode, else ``full``."""
