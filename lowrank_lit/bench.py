@@ -10,7 +10,7 @@ compares). ``lowrank bench [SLUG ...] [--quick] [--device cuda] [--out FILE]``
 Timing: :meth:`BenchContext.compare` calls the timed functions round-robin (``repeats`` rounds after
 ``warmup`` untimed ones), synchronising CUDA before and after every timed region; a row's ratio is the median
 of the per-round ratios and its spread their min and max. Memory: on CUDA, the peak of
-``torch.cuda.max_memory_allocated`` over a region (:meth:`BenchContext.peak_memory`); on the CPU the bytes of the
+``torch.cuda.max_memory_allocated`` over a config's round (reset before each round); on the CPU the bytes of the
 tensors a method holds (:func:`tensor_bytes`: optimizer state, adapters, caches), which is what differs between
 the methods.
 """
@@ -109,19 +109,6 @@ class BenchContext:
                 if i >= warmup:
                     times[name].append(time.perf_counter() - start)
         return times
-
-    def peak_memory(self, fn: Callable[[], Any]) -> int | None:
-        """Peak CUDA memory allocated while ``fn`` runs, above what was allocated before (None on the CPU)."""
-        if not self.device.startswith("cuda"):
-            return None
-        import torch
-
-        self.sync()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        self.sync()
-        return int(torch.cuda.max_memory_allocated() - before)
 
 
 def tensor_bytes(*objects: Any) -> int:

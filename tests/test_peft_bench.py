@@ -160,14 +160,21 @@ def test_step_cost_logs_a_median_step_time_and_peak_memory(tmp_path):
 
     with pytest.raises(ValueError, match="skip=-1"):
         StepCost(skip=-1)
+    with pytest.raises(ValueError, match="stage='val'; allowed: 'train', 'test'"):
+        StepCost(stage="val")
     dm = CompositionalTextDataModule(n_train=96, n_val=8, n_test=8)
     logger = CSVLogger(tmp_path, name="", version="")
-    trainer = Trainer(max_steps=3, logger=logger, callbacks=[StepCost(skip=1)], enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(PromptTunedClassifier(num_layers=1), dm)
+    train_cost, test_cost = StepCost(skip=1), StepCost(skip=0, stage="test")
+    trainer = Trainer(max_steps=3, logger=logger, callbacks=[train_cost, test_cost], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, limit_test_batches=2)
+    model = PromptTunedClassifier(num_layers=1)
+    trainer.fit(model, dm)
     values = last_values(tmp_path / "metrics.csv")
     assert 0 < values["cost/step_s"] < 60
     assert values["cost/peak_mem_mb"] > 100  # the process holds the encoder
+    assert len(train_cost.times) == 2 and not test_cost.times  # 3 steps, the first skipped; no test batch yet
+    trainer.test(model, dm, verbose=False)
+    assert len(test_cost.times) == trainer.num_test_batches[0] >= 1 and len(train_cost.times) == 2  # its own stage
 
 
 # ------------------------------------------------------------------------------------ sweep over configs

@@ -28,35 +28,80 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
 
 
 class StepCost(Callback):
-    """Logs ``cost/step_s`` (median wall time of a training batch, forward to optimizer step, after ``skip``
-    warm-up batches) and ``cost/peak_mem_mb`` (:func:`peak_memory_mb`) when training ends.
+    """Logs ``cost/step_s`` (median wall time of a batch after ``skip`` warm-up batches) and ``cost/peak_mem_mb``
+    (:func:`peak_memory_mb`) when the stage ends.
+
+    A training batch is timed from its start to the end of its optimizer step; a test batch from its start to its
+    end (for TTA methods: the adaptation and the prediction). On a CUDA device the queued kernels are waited for
+    at both ends of a batch, so the time is the device's, not the launch's. ``lowrank bench`` reads
+    :attr:`times` of this callback to time the two configs of a comparison.
 
     Args:
-        skip: first training batches left out of the median (allocation, first-call overheads). Default: 5.
+        skip: first batches left out of the median (allocation, first-call overheads). Default: 5.
+        stage: ``"train"`` (training batches) or ``"test"`` (test batches). Default: ``"train"``.
+
+    Attributes:
+        times: seconds of every timed batch after the first ``skip``, in order.
     """
 
-    def __init__(self, skip: int = 5) -> None:
+    def __init__(self, skip: int = 5, stage: str = "train") -> None:
         if skip < 0:
             raise ValueError(f"StepCost: skip={skip}; allowed: an integer >= 0")
+        if stage not in ("train", "test"):
+            raise ValueError(f"StepCost: stage={stage!r}; allowed: 'train', 'test'")
         self.skip = skip
-        self._times: list[float] = []
+        self.stage = stage
+        self.times: list[float] = []
         self._start: float | None = None
         self._seen = 0
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    @staticmethod
+    def _sync(pl_module: LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def _batch_start(self, pl_module: LightningModule) -> None:
+        self._sync(pl_module)
         self._start = time.perf_counter()
+
+    def _batch_end(self, pl_module: LightningModule) -> None:
+        if self._start is not None:
+            self._sync(pl_module)
+            self._seen += 1
+            if self._seen > self.skip:
+                self.times.append(time.perf_counter() - self._start)
+        self._start = None
+
+    def _log(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        values = {"cost/peak_mem_mb": peak_memory_mb(pl_module.device)}
+        if self.times:
+            values["cost/step_s"] = statistics.median(self.times)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.stage == "train":
+            self._batch_start(pl_module)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._start is not None:
-            self._seen += 1
-            if self._seen > self.skip:
-                self._times.append(time.perf_counter() - self._start)
-        self._start = None
+        if self.stage == "train":
+            self._batch_end(pl_module)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        values = {"cost/peak_mem_mb": peak_memory_mb(pl_module.device)}
-        if self._times:
-            values["cost/step_s"] = statistics.median(self._times)
-        for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+        if self.stage == "train":
+            self._log(trainer, pl_module)
+
+    def on_test_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:
+        if self.stage == "test":
+            self._batch_start(pl_module)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                          batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.stage == "test":
+            self._batch_end(pl_module)
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.stage == "test":
+            self._log(trainer, pl_module)

@@ -39,56 +39,13 @@ def get_bench(slug: str) -> Callable[[BenchContext], list[BenchRow | ConfigBench
     return getattr(importlib.import_module(module), name)
 
 
-class _StepTimer:
-    """Lightning callback: the wall time of every training step or test batch (CUDA synchronised)."""
-
-    def __init__(self, ctx: BenchContext, verb: str) -> None:
-        import lightning.pytorch as pl
-
-        timer = self
-
-        class Timer(pl.Callback):
-            def _start(self, *args: Any) -> None:
-                ctx.sync()
-                timer.t0 = time.perf_counter()
-
-            def _end(self, *args: Any) -> None:
-                ctx.sync()
-                timer.times.append(time.perf_counter() - timer.t0)
-
-        hooks = ("on_train_batch_start", "on_train_batch_end") if verb == "fit" else ("on_test_batch_start", "on_test_batch_end")
-        setattr(Timer, hooks[0], Timer._start)
-        setattr(Timer, hooks[1], Timer._end)
-        self.callback = Timer()
-        self.times: list[float] = []
-        self.t0 = 0.0
-
-
 def _build(config: str, overrides: Sequence[str], verb: str) -> tuple[Any, Any, list[Any]]:
-    """The model, data module and method callbacks of ``lowrank <verb> --config config overrides`` (no run dir, no
-    logger, no checkpointing)."""
-    import lightning.pytorch as pl
-    from jsonargparse import ArgumentParser
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    """The model, data module and method callbacks of ``lowrank <verb> --config config overrides`` (random weights
+    where a pretrained checkpoint is missing: the cost does not depend on them)."""
+    from lowrank_lit.launch.build import build_from_config
 
-    from lowrank_lit.launch.lightning_cli import build_parser
-    from lowrank_lit.registry import project_root
-
-    cfg = build_parser(verb).parse_args(["--config", str(project_root() / config), *overrides])
-
-    def build(key: str, base: type, value: Any) -> Any:
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_subclass_arguments(base, key, fail_untyped=False, required=True)
-        return parser.instantiate_classes(parser.parse_object({key: value}))[key]
-
-    if cfg.get("seed_everything") is not None:
-        pl.seed_everything(int(cfg.seed_everything), verbose=False)
-    with warnings.catch_warnings():  # "no pretrained checkpoint": random weights are what a cost benchmark wants
-        warnings.simplefilter("ignore", UserWarning)
-        model = build("model", pl.LightningModule, cfg.model)
-        data = build("data", pl.LightningDataModule, cfg.data) if cfg.get("data") else None
-        callbacks = [build("callback", pl.Callback, c) for c in (cfg.trainer.get("callbacks") or [])]
-    return model, data, [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+    built = build_from_config(config, overrides, verb, quiet=True)
+    return built.model, built.data, built.callbacks
 
 
 def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
@@ -96,6 +53,8 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
     import logging
 
     import lightning.pytorch as pl
+
+    from lowrank_lit.callbacks.cost import StepCost
 
     for name in ("lightning.pytorch", "lightning.fabric"):  # no "GPU available" lines per round
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -108,12 +67,12 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
     cuda = ctx.device.startswith("cuda")
     for _ in range(rounds):
         for name, (model, data, callbacks) in built.items():
-            timer = _StepTimer(ctx, spec.verb)
+            timer = StepCost(skip=1, stage="train" if spec.verb == "fit" else "test")
             limit = {"max_steps": steps, "limit_val_batches": 0, "num_sanity_val_steps": 0} if spec.verb == "fit" \
                 else {"limit_test_batches": steps}
             trainer = pl.Trainer(accelerator="gpu" if ctx.device.startswith("cuda") else "cpu", devices=1, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                 inference_mode=False, callbacks=[*callbacks, timer.callback], **limit)
+                                 inference_mode=False, callbacks=[*callbacks, timer], **limit)
             if cuda:
                 import torch
 
@@ -125,8 +84,7 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
                 memory[name] = max(memory[name], int(torch.cuda.max_memory_allocated()))
             else:  # the tensors the run holds: weights, buffers and optimizer state
                 memory[name] = tensor_bytes(model, trainer.optimizers)
-            times = timer.times[1:] or timer.times
-            per_round[name].append(statistics.median(times))
+            per_round[name].append(statistics.median(timer.times))
     ratios = [a / b for a, b in zip(per_round["method"], per_round["baseline"], strict=True)]
     unit = "step" if spec.verb == "fit" else "test batch"
     note = (f"{1e3 * statistics.median(per_round['method']):.1f} vs {1e3 * statistics.median(per_round['baseline']):.1f} "

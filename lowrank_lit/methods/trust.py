@@ -561,22 +561,25 @@ def bench(ctx: Any) -> list[Any]:
     from lowrank_lit.bench import ConfigBench, ratio_row
     from lowrank_lit.models.vmamba import selective_scan
 
-    g = torch.Generator().manual_seed(0)
-    length = ctx.size(64, 16)
-    scan_in = (torch.randn(64, length, 32, generator=g), F.softplus(torch.randn(64, length, 32, generator=g)),
-               -torch.exp(torch.randn(32, 4, generator=g)), torch.randn(64, length, 4, generator=g),
-               torch.randn(64, length, 4, generator=g), torch.randn(32, generator=g))
-    scan_in = tuple(t.to(ctx.device) for t in scan_in)
+    def scan(inputs: tuple[torch.Tensor, ...], parallel: bool) -> None:
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        selective_scan(*leaves, parallel=parallel).sum().backward()
 
-    def scan(parallel: bool) -> None:
-        inputs = [t.detach().requires_grad_() for t in scan_in]
-        selective_scan(*inputs, parallel=parallel).sum().backward()
-
-    times = ctx.compare({"loop": lambda: scan(False), "mambapy": lambda: scan(True)}, ctx.rounds(10, 3), warmup=1)
+    rows: list[Any] = []
+    for length in ctx.size((16, 64, 256), (16,)):  # the scan length L
+        g = torch.Generator().manual_seed(length)
+        x = (torch.randn(64, length, 32, generator=g), F.softplus(torch.randn(64, length, 32, generator=g)),
+             -torch.exp(torch.randn(32, 4, generator=g)), torch.randn(64, length, 4, generator=g),
+             torch.randn(64, length, 4, generator=g), torch.randn(32, generator=g))
+        x = tuple(t.to(ctx.device) for t in x)  # u, delta (B, L, C); A (C, N); B, C (B, L, N); D (C)
+        times = ctx.compare({"loop": lambda x=x: scan(x, False), "mambapy": lambda x=x: scan(x, True)},
+                            ctx.rounds(10, 3), warmup=1)
+        rows.append(ratio_row(ctx, "trust", f"our step-by-step selective scan, forward + backward (L = {length})",
+                              "mambapy's parallel scan (pscan, the SS2D default)", times, "loop", "mambapy",
+                              "peer library: same output to 1e-5 (tests/test_vmamba.py); reported",
+                              note="batch 64, d 32, N 4"))
     none = ("--model.init_args.source_ckpt=null",)
-    return [ratio_row(ctx, "trust", f"our step-by-step selective scan, forward + backward (L = {length})",
-                      "mambapy's parallel scan (pscan, the SS2D default)", times, "loop", "mambapy",
-                      "peer library: same output (tests/test_vmamba.py); reported", note="batch 64, d 32, N 4"),
+    return [*rows,
             ConfigBench("trust", "TRUST K = 6 per test batch (sequential)", "Tent per batch",
                         "configs/trust/digits_c_trust.yaml", "configs/trust/digits_c_tent.yaml",
                         "paper: K forward/backward passes per batch (~K x Tent)", 6.0, overrides=none, verb="test",
