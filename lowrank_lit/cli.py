@@ -15,6 +15,8 @@ and a few of ours, which do not import Lightning until they need it::
     lowrank summarize SLUG RUN_ROOT    a method's result table from its runs
     lowrank convert vmamba --src S --out O   official VMamba weights -> this implementation's names
     lowrank estimate --config C.yaml   memory per GPU at full size (meta device: no memory, no weights read)
+    lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf]   only what a run trained
+    lowrank load DIR [--out FILE.ckpt] an exported artifact applied onto its checked base
 
 Every run writes to ``<run_root>/<experiment>/<run_id>/`` (see :mod:`lowrank_lit.launch.run_dir`):
 the resolved ``config.yaml``, CSV metrics, checkpoints and, with ``callbacks/wandb.yaml``, the
@@ -58,6 +60,8 @@ lowrank_lit commands:
   submit     write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4
   summarize  a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]
   bench      every method's cost as a ratio to its baseline: lowrank bench [<slug>...] [--quick] [--device cuda]
+  export     only what a run trained: lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR [--format peft|hf]
+  load       an exported artifact onto its checked base: lowrank load DIR [--out FILE.ckpt]
 
 Compose configs with repeated --config (later files win), e.g. a preset from callbacks/:
   lowrank fit --config configs/baseline/mlp_digits.yaml --config callbacks/wandb.yaml
@@ -173,6 +177,20 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return bench_main(list(argv))
 
 
+def cmd_export(argv: Sequence[str]) -> int:
+    """``lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf]``: only what a run trained."""
+    from lowrank_lit.launch.export import main_export
+
+    return main_export(list(argv))
+
+
+def cmd_load(argv: Sequence[str]) -> int:
+    """``lowrank load DIR [--out FILE.ckpt]``: an artifact applied onto its (checked) base."""
+    from lowrank_lit.launch.export import main_load
+
+    return main_load(list(argv))
+
+
 def cmd_convert(argv: Sequence[str]) -> int:
     """``lowrank convert vmamba --src official.pth --out converted.pth [--depths 2 2 8 2]``."""
     import argparse
@@ -213,6 +231,7 @@ def cmd_estimate(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize, "bench": cmd_bench,
+    "export": cmd_export, "load": cmd_load,
     "convert": cmd_convert,
     "estimate": cmd_estimate,
 }

@@ -97,17 +97,33 @@ class SplitClassFinetune(pl.LightningModule):
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
-                    total, n = total + float(loss) * len(y), n + len(y)
+                    total, n = total + float(loss.detach()) * len(y), n + len(y)
                 last = total / max(n, 1)
         return last
 
+    def prepare_base(self, datamodule: Any) -> float | None:
+        """Pretrain on the source classes once (a no-op when done, e.g. in a resumed run) and keep the pretrained
+        body as the reference ``theta_pre``; the batch order is seeded from ``torch.initial_seed()``, so the same
+        ``seed_everything`` gives the same pretrained model. ``lowrank export`` / ``lowrank load`` call it too: the
+        pretrained model is the base a fine-tuning artifact is relative to.
+
+        Returns:
+            the last pretraining epoch's mean loss, or None when already pretrained.
+        """
+        if bool(self.pretrained):
+            return None
+        if datamodule is None or not hasattr(datamodule, "setup"):
+            raise ValueError("SplitClassFinetune.prepare_base: needs the data module (DigitsSplitDataModule) to pretrain")
+        datamodule.setup("fit")  # idempotent
+        gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
+        loss = self.pretrain(datamodule.source_train_dataloader(generator=gen))
+        self.theta_pre.copy_(self.body_vector())
+        self.pretrained.fill_(True)
+        return loss
+
     def on_fit_start(self) -> None:
-        if not bool(self.pretrained):  # a resumed run keeps its pretrained weights and reference
-            dm = self.trainer.datamodule
-            gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
-            loss = self.pretrain(dm.source_train_dataloader(generator=gen))
-            self.theta_pre.copy_(self.body_vector())
-            self.pretrained.fill_(True)
+        loss = self.prepare_base(self.trainer.datamodule)  # a resumed run keeps its pretrained weights and reference
+        if loss is not None:
             self.print(f"pretrained on the source classes: final loss {loss:.4f}")
         self.head_src.requires_grad_(False)
 

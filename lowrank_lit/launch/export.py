@@ -1,0 +1,264 @@
+"""``lowrank export`` and ``lowrank load``: take away what a run trained, and put it back onto a fresh base.
+
+::
+
+    lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR [--format native|peft|hf] [--config RUN/config.yaml]
+    lowrank load DIR [--out FILE.ckpt]
+
+``export`` rebuilds the model the run's config describes before training (the run folder's ``config.yaml``: same
+seed, same pretrained parts), compares it with the checkpoint and writes the entries that training changed
+(:mod:`lowrank_lit.artifacts`, the ``native`` format). Every format writes the native files, so ``lowrank load``
+and :func:`load_run_artifact` read any export; the others add:
+
+* ``peft`` -- a LoRA (:class:`~lowrank_lit.nn.lora.LoRALinear`) on a transformers backbone as peft's own
+  ``adapter_model.safetensors`` + ``adapter_config.json`` (written by ``peft``'s ``save_pretrained``), which
+  ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the plain backbone. Methods without a peft type
+  (HydraLoRA / LoPE's routed experts, capsule prompts) are refused with the reason.
+* ``hf`` -- the backbone with its LoRA merged, as a ``save_pretrained`` folder that
+  ``transformers.AutoModel.from_pretrained(DIR)`` loads (refused where a merge is not possible).
+
+``load`` builds the base from the artifact's own config section, checks it (shapes, and a digest of every frozen
+weight: a different base is named by its first differing key) and applies the artifact; ``--out`` writes a
+checkpoint that ``lowrank test --config ... --ckpt_path FILE`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowrank_lit.artifacts import (
+    ArtifactError,
+    aliases,
+    apply_artifact,
+    artifact_bytes,
+    changed_entries,
+    read_artifact,
+    save_artifact,
+)
+
+__all__ = ["FORMATS", "export_checkpoint", "build_base", "load_run_artifact", "find_backbone", "main_export",
+           "main_load"]
+
+FORMATS = ("native", "peft", "hf")
+
+
+def _plain(value: Any) -> Any:
+    """A config value as JSON-able data (jsonargparse Namespaces, paths)."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    return json.loads(json.dumps(value, default=str))
+
+
+def find_backbone(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(name, module)`` of the outermost ``transformers.PreTrainedModel`` inside ``model``.
+
+    Raises:
+        ArtifactError: there is none (the model is not built on a transformers backbone).
+    """
+    from transformers import PreTrainedModel
+
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return name, module
+    raise ArtifactError(f"{type(model).__name__} holds no transformers model (PreTrainedModel); "
+                        "only --format native applies")
+
+
+def _unwrapped(backbone: nn.Module, merge: bool) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """A copy of ``backbone`` with every adapter replaced by its base layer (merged into it when ``merge``), and the
+    adapters by name."""
+    from lowrank_lit.nn.lora import AsymmetricLoRALinear, LoRALinear
+    from lowrank_lit.nn.targets import replace_module
+
+    clean = copy.deepcopy(backbone)
+    adapters = {n: m for n, m in clean.named_modules() if isinstance(m, (LoRALinear, AsymmetricLoRALinear))}
+    for name, module in adapters.items():
+        if isinstance(module, AsymmetricLoRALinear):
+            raise ArtifactError(f"{name!r} is an AsymmetricLoRALinear (HydraLoRA / LoPE experts with a per-token "
+                                "router): neither peft nor a merged weight can express it; use --format native")
+        if merge:
+            module.merge()
+        replace_module(clean, name, module.base)
+    return clean, adapters
+
+
+def _write_peft(model: nn.Module, out: Path) -> None:
+    import peft
+
+    name, backbone = find_backbone(model)
+    clean, adapters = _unwrapped(backbone, merge=False)
+    if not adapters:
+        raise ArtifactError(f"--format peft: {name or 'the model'} has no LoRALinear adapters; peft's LoRA is the "
+                            "type this export writes (use --format native)")
+    ranks = {m.r for m in adapters.values()}
+    alphas = {round(m.scaling * m.r, 9) for m in adapters.values()}
+    if len(ranks) != 1 or len(alphas) != 1:
+        raise ArtifactError(f"--format peft: adapters with several ranks {sorted(ranks)} / alphas {sorted(alphas)}; "
+                            "one rank and alpha are supported")
+    dropout = {float(getattr(m.lora_dropout, "p", 0.0)) for m in adapters.values()}
+    config = peft.LoraConfig(r=ranks.pop(), lora_alpha=alphas.pop(), lora_dropout=max(dropout),
+                             target_modules=sorted(adapters), bias="none")
+    wrapped = peft.get_peft_model(clean, config)
+    state = {}
+    for layer, module in adapters.items():
+        state[f"base_model.model.{layer}.lora_A.weight"] = module.lora_A.detach()
+        state[f"base_model.model.{layer}.lora_B.weight"] = module.lora_B.detach()
+    result = peft.set_peft_model_state_dict(wrapped, state)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ArtifactError(f"--format peft: peft did not take {unexpected[0]!r}")
+    wrapped.save_pretrained(str(out))
+
+
+def _write_hf(model: nn.Module, out: Path) -> None:
+    _, backbone = find_backbone(model)
+    clean, _ = _unwrapped(backbone, merge=True)
+    clean.save_pretrained(str(out))
+
+
+def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native", config: str | Path | None = None
+                      ) -> dict[str, Any]:
+    """Export what the run of ``ckpt_path`` trained into the folder ``out``.
+
+    Args:
+        ckpt_path: a run's checkpoint (``RUN/checkpoints/last.ckpt``).
+        out: a new folder (refused if it holds files).
+        fmt: ``native``, ``peft`` or ``hf`` (see the module docstring).
+        config: the run's config; default ``RUN/config.yaml`` beside the checkpoint folder.
+
+    Returns:
+        a summary: entries, trained values, artifact and checkpoint bytes.
+    """
+    import lightning.pytorch as pl
+
+    from lowrank_lit.checkpoint import check_readable, load_checkpoint
+    from lowrank_lit.launch.build import build_from_config
+
+    if fmt not in FORMATS:
+        raise ArtifactError(f"--format: {fmt!r}; allowed: {', '.join(FORMATS)}")
+    ckpt_path, out = Path(ckpt_path), Path(out)
+    check_readable(ckpt_path, "--ckpt_path")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ArtifactError(f"--out: {str(out)!r} exists and is not an empty folder; an export never overwrites files")
+    if config is None:
+        run = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
+        config = run / "config.yaml"
+        if not config.is_file():
+            raise ArtifactError(f"--config: no {config} beside the checkpoint; pass the config the run used")
+    built = build_from_config(config, verb="fit", callbacks=False)
+    model: pl.LightningModule = built.model
+    if hasattr(model, "prepare_base"):  # e.g. source pretraining: the base the fine-tuning started from
+        model.prepare_base(built.data)
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ckpt = load_checkpoint(ckpt_path, "--ckpt_path")
+    tensors, entries = changed_entries(ckpt["state_dict"], base)
+    cfg = built.config
+    meta = {"method": str(cfg.get("experiment") or "").split("/")[0] or None,
+            "experiment": cfg.get("experiment"),
+            "seed_everything": cfg.get("seed_everything"),
+            "model": _plain(cfg.model),
+            "data": _plain(cfg.data) if hasattr(model, "prepare_base") and cfg.get("data") else None,
+            "source": {"checkpoint": str(ckpt_path), "global_step": ckpt.get("global_step"), "config": str(config)},
+            "formats": [fmt] if fmt == "native" else ["native", fmt]}
+    save_artifact(out, tensors, entries, base, meta)
+    if fmt != "native":  # the trained weights in the model, for the ecosystem's writers
+        model.load_state_dict({**base, **{k: v for k, v in ckpt["state_dict"].items() if k in base}})
+        model.eval()
+        try:
+            (_write_peft if fmt == "peft" else _write_hf)(model, out)
+        except Exception:
+            for f in out.iterdir():  # a refused format leaves no half-written folder behind
+                f.unlink()
+            out.rmdir()
+            raise
+    trained = sum(e["changed"] for e in entries.values())
+    alias = aliases(base)
+    total = sum(v.numel() for k, v in base.items() if k not in alias)
+    return {"entries": len(entries), "trained_values": trained, "base_values": total,
+            "artifact_bytes": artifact_bytes(out), "checkpoint_bytes": ckpt_path.stat().st_size, "out": str(out)}
+
+
+def build_base(path: str | Path) -> nn.Module:
+    """The base model of an artifact: its config section built as ``lowrank fit`` builds it (same seed)."""
+    import lightning.pytorch as pl
+
+    from lowrank_lit.launch.build import build_component
+
+    meta, _ = read_artifact(path)
+    if meta.get("seed_everything") is not None:
+        pl.seed_everything(int(meta["seed_everything"]), verbose=False)
+    model = build_component("model", pl.LightningModule, meta["model"])
+    if hasattr(model, "prepare_base"):  # the same preparation as at export (e.g. source pretraining)
+        data = build_component("data", pl.LightningDataModule, meta["data"]) if meta.get("data") else None
+        model.prepare_base(data)
+    return model
+
+
+def load_run_artifact(path: str | Path, base: nn.Module | None = None, check_base: bool = True) -> nn.Module:
+    """The model of an artifact: ``base`` (default: :func:`build_base`) with the artifact applied (checked)."""
+    meta, tensors = read_artifact(path)
+    return apply_artifact(base if base is not None else build_base(path), meta, tensors, check_base=check_base)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.3f} MiB" if n >= 2**16 else f"{n / 2**10:.1f} KiB"
+
+
+def main_export(argv: Sequence[str]) -> int:
+    """``lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf] [--config CONFIG]``."""
+    parser = argparse.ArgumentParser(prog="lowrank export", description="Write only what a run trained (safetensors + "
+                                     "JSON), optionally in peft's or transformers' format.")
+    parser.add_argument("--ckpt_path", required=True, help="the run's checkpoint, e.g. RUN/checkpoints/last.ckpt")
+    parser.add_argument("--out", required=True, help="a new folder for the artifact (never overwritten)")
+    parser.add_argument("--format", default="native", help=f"one of {', '.join(FORMATS)} (default: native)")
+    parser.add_argument("--config", help="the run's config (default: config.yaml of the run folder)")
+    args = parser.parse_args(list(argv))
+    if args.format not in FORMATS:
+        parser.error(f"--format: {args.format!r}; allowed: {', '.join(FORMATS)}")
+    try:
+        got = export_checkpoint(args.ckpt_path, args.out, args.format, args.config)
+    except (ArtifactError, ValueError) as exc:
+        print(f"lowrank export: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    share = got["trained_values"] / max(got["base_values"], 1)
+    print(f"exported {got['entries']} trained tensors ({got['trained_values']:,} values, {share:.2%} of the model) "
+          f"to {got['out']}: {_size(got['artifact_bytes'])}, "
+          f"{got['artifact_bytes'] / got['checkpoint_bytes']:.2%} of the checkpoint ({_size(got['checkpoint_bytes'])})")
+    return 0
+
+
+def main_load(argv: Sequence[str]) -> int:
+    """``lowrank load DIR [--out FILE.ckpt] [--no-check]``."""
+    parser = argparse.ArgumentParser(prog="lowrank load", description="Apply an artifact onto the base its config "
+                                     "builds (checked), optionally writing a checkpoint lowrank test reads.")
+    parser.add_argument("artifact", help="a folder written by lowrank export")
+    parser.add_argument("--out", help="write the model as a checkpoint here (refused if it exists)")
+    parser.add_argument("--no-check", action="store_true", help="skip the digest check of the frozen base weights")
+    args = parser.parse_args(list(argv))
+    if args.out and Path(args.out).exists():
+        parser.error(f"--out: {args.out!r} exists; choose a new file")
+    try:
+        meta, _ = read_artifact(args.artifact)
+        model = load_run_artifact(args.artifact, check_base=not args.no_check)
+    except (ArtifactError, ValueError) as exc:
+        print(f"lowrank load: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    checked = "not checked" if args.no_check else f"{len(meta['base']['tensors'])} frozen tensors checked"
+    print(f"applied {len(meta['entries'])} tensors onto {type(model).__name__} ({checked})")
+    if args.out:
+        import lightning
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"state_dict": model.state_dict(), "pytorch-lightning_version": lightning.__version__,
+                    "global_step": meta.get("source", {}).get("global_step") or 0, "epoch": 0}, args.out)
+        print(f"checkpoint written to {args.out}")
+    return 0

@@ -1,0 +1,207 @@
+"""`lowrank export` / `lowrank load`: only what a run trained, loaded back onto a fresh base, in our format and in
+peft's and transformers' formats; a wrong base or a broken file fails with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lowrank_lit.artifacts import (
+    ArtifactError,
+    apply_artifact,
+    artifact_bytes,
+    changed_entries,
+    read_artifact,
+    save_artifact,
+    tensor_digest,
+)
+from tests.helpers import run_cli, text_batch
+
+
+def _cli(*args) -> int:
+    from lowrank_lit.cli import main
+
+    return main([str(a) for a in args])
+
+
+def _state_bytes(module: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for t in module.state_dict().values():
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------ the format itself
+def test_changed_entries_dense_sparse_and_exact_round_trip(tmp_path):
+    torch.manual_seed(0)
+    base = {"w": torch.randn(20, 10), "b": torch.randn(10), "frozen": torch.randn(5), "step": torch.tensor(3)}
+    trained = {k: v.clone() for k, v in base.items()}
+    trained["w"].view(-1)[[3, 17, 150]] += torch.tensor([1e-7, -2.0, 0.5])  # 3 of 200 values: sparse
+    trained["b"] += 1.0  # every value: dense
+    tensors, entries = changed_entries(trained, base)
+    assert entries["w"]["storage"] == "sparse" and entries["w"]["changed"] == 3
+    assert tensors["w@indices"].tolist() == [3, 17, 150]
+    assert entries["b"]["storage"] == "dense" and set(entries) == {"w", "b"}
+    save_artifact(tmp_path / "a", tensors, entries, base, {"model": None})
+    meta, got = read_artifact(tmp_path / "a")
+    assert set(meta["base"]["tensors"]) == {"frozen", "step"}
+    module = torch.nn.Module()
+    for k, v in base.items():
+        module.register_buffer(k, v.clone())
+    apply_artifact(module, meta, got)
+    assert all(torch.equal(module.state_dict()[k], trained[k]) for k in trained)  # bit for bit
+    with pytest.raises(ArtifactError, match="already holds an artifact"):
+        save_artifact(tmp_path / "a", tensors, entries, base, {})
+
+
+def test_wrong_base_and_broken_files_fail_with_one_line(tmp_path):
+    base = {"w": torch.zeros(4, 3), "frozen": torch.ones(2)}
+    trained = {"w": torch.ones(4, 3), "frozen": torch.ones(2)}
+    save_artifact(tmp_path / "a", *changed_entries(trained, base), base, {})
+    meta, tensors = read_artifact(tmp_path / "a")
+
+    def module(**state):
+        m = torch.nn.Module()
+        for k, v in state.items():
+            m.register_buffer(k, v)
+        return m
+
+    with pytest.raises(ArtifactError, match=r"wrong base at 'frozen': its weights differ") as err:
+        apply_artifact(module(w=torch.zeros(4, 3), frozen=torch.full((2,), 2.0)), meta, tensors)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ArtifactError, match=r"wrong base at 'w': the artifact holds \(4, 3\) float32, the base \(3, 4\)"):
+        apply_artifact(module(w=torch.zeros(3, 4), frozen=torch.ones(2)), meta, tensors)
+    with pytest.raises(ArtifactError, match=r"the artifact's key 'w' is not in Module"):
+        apply_artifact(module(v=torch.zeros(4, 3), frozen=torch.ones(2)), meta, tensors)
+    f = tmp_path / "a" / "artifact.safetensors"
+    f.write_bytes(f.read_bytes()[:-7])
+    with pytest.raises(ArtifactError, match="is truncated or not a safetensors file") as err:
+        read_artifact(tmp_path / "a")
+    assert "\n" not in str(err.value)
+    (tmp_path / "a" / "artifact.json").write_text('{"format": "lowrank_lit.artifact/1", "entr')
+    with pytest.raises(ArtifactError, match="is truncated or not JSON"):
+        read_artifact(tmp_path / "a")
+    with pytest.raises(ArtifactError, match="artifact.json is missing"):
+        read_artifact(tmp_path / "nothing")
+    assert tensor_digest(torch.zeros(2)) != tensor_digest(torch.zeros(1, 2)) != tensor_digest(torch.zeros(2, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------- LoRA on MiniLM
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    assert run_cli("fit", "--config", "configs/lope/lora.yaml", "--trainer.max_steps=3", "--test_after_fit=false",
+                   "--trainer.limit_val_batches=0", "--run_id", "r", run_root=root / "runs") == 0
+    return root, root / "runs" / "lope" / "lora" / "r"
+
+
+def _trained_model(run):
+    from lowrank_lit.checkpoint import load_checkpoint
+    from lowrank_lit.launch.build import build_from_config
+
+    model = build_from_config(run / "config.yaml", data=False, callbacks=False).model
+    state = model.state_dict()
+    state.update(load_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"])
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_lora_native_artifact_is_small_and_loads_onto_a_fresh_base(lora_run, capsys):
+    from lowrank_lit.launch.export import load_run_artifact
+
+    root, run = lora_run
+    out = root / "native"
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", out) == 0
+    assert "exported 10 trained tensors" in capsys.readouterr().out  # 8 LoRA factors + the head's weight and bias
+    meta = json.loads((out / "artifact.json").read_text())
+    assert meta["method"] == "lope" and meta["model"]["class_path"].endswith("PromptTunedClassifier")
+    assert all(".lora_" in k or k.startswith("head.") for k in meta["entries"])
+    ours = _trained_model(run)
+    assert artifact_bytes(out) <= 0.02 * _state_bytes(ours)  # LoRA r=4 on 2 layers: 0.07 % of the values
+    loaded = load_run_artifact(out).eval()
+    ids, mask = text_batch()
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids, mask)[0], ours(ids, mask)[0], atol=1e-6)
+    # a second export never overwrites the first
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", out) == 2
+    assert "an export never overwrites files" in capsys.readouterr().err
+
+
+def test_lora_peft_export_loads_in_peft_with_our_outputs(lora_run):
+    import peft
+
+    from lowrank_lit.models.text import load_backbone
+
+    root, run = lora_run
+    out = root / "peft"
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", out, "--format", "peft") == 0
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    base, _ = load_backbone(num_layers=2)
+    theirs = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    ours = _trained_model(run)
+    ids, mask = text_batch()
+    with torch.no_grad():
+        want = ours.encoder.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert got.abs().max() > 0.1 and (got - want).abs().max() <= 1e-6
+    assert not torch.allclose(want, load_backbone(num_layers=2)[0](input_ids=ids, attention_mask=mask).last_hidden_state,
+                              atol=1e-6)  # the adapter changed something, so the equality above is not vacuous
+
+
+def test_merged_hf_export_loads_with_automodel(lora_run):
+    from transformers import AutoModel
+
+    root, run = lora_run
+    out = root / "hf"
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", out, "--format", "hf") == 0
+    theirs = AutoModel.from_pretrained(str(out)).eval()
+    ours = _trained_model(run)
+    ids, mask = text_batch()
+    with torch.no_grad():
+        want = ours.encoder.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert (got - want).abs().max() <= 1e-5  # merged: W0 + (alpha / r) B A in float32
+
+
+def test_routed_experts_are_refused_in_peft_format_and_leave_nothing(tmp_path, capsys):
+    root = tmp_path
+    assert run_cli("fit", "--config", "configs/lope/hydralora.yaml", "--trainer.max_steps=1", "--test_after_fit=false",
+                   "--trainer.limit_val_batches=0", "--run_id", "h", run_root=root / "runs") == 0
+    ckpt = root / "runs" / "lope" / "hydralora" / "h" / "checkpoints" / "last.ckpt"
+    assert _cli("export", "--ckpt_path", ckpt, "--out", root / "p", "--format", "peft") == 2
+    err = capsys.readouterr().err
+    assert "AsymmetricLoRALinear" in err and "use --format native" in err and err.count("\n") == 1
+    assert not (root / "p").exists()
+    assert _cli("export", "--ckpt_path", ckpt, "--out", root / "n") == 0
+
+
+# --------------------------------------------------------------------------------------- NanoAdam sparse delta
+def test_nanoadam_sparse_delta_reproduces_the_fine_tuned_weights_exactly(tmp_path, capsys):
+    from lowrank_lit.checkpoint import load_checkpoint
+
+    assert run_cli("fit", "--config", "configs/nanoadam/digits_finetune.yaml", "--trainer.max_steps=15",
+                   "--test_after_fit=false", "--model.init_args.pretrain_epochs=3", "--run_id", "n",
+                   run_root=tmp_path / "runs") == 0
+    ckpt = tmp_path / "runs" / "nanoadam" / "digits_finetune" / "n" / "checkpoints" / "last.ckpt"
+    assert _cli("export", "--ckpt_path", ckpt, "--out", tmp_path / "a") == 0
+    meta = json.loads((tmp_path / "a" / "artifact.json").read_text())
+    body = {k: e for k, e in meta["entries"].items() if k.startswith("body.") and k.endswith("weight")}
+    assert body and all(e["storage"] == "sparse" and e["changed"] <= 0.06 * e["shape"][0] * e["shape"][1]
+                        for e in body.values())  # density 0.05 of each body matrix (+ the mask refresh)
+    assert {"theta_pre", "head_src.weight"} <= set(meta["base"]["tensors"])  # the pretrained model is the base
+    assert artifact_bytes(tmp_path / "a") <= 0.1 * ckpt.stat().st_size
+    capsys.readouterr()
+    assert _cli("load", tmp_path / "a", "--out", tmp_path / "m.ckpt") == 0
+    assert "4 frozen tensors checked" in capsys.readouterr().out
+    got = torch.load(tmp_path / "m.ckpt", weights_only=True)["state_dict"]
+    want = load_checkpoint(ckpt)["state_dict"]
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    # another base (other pretraining) is refused, naming the first differing tensor
+    meta["model"]["init_args"]["pretrain_epochs"] = 2
+    (tmp_path / "a" / "artifact.json").write_text(json.dumps(meta))
+    assert _cli("load", tmp_path / "a") == 2
+    assert "wrong base at 'head_src.bias'" in capsys.readouterr().err
