@@ -1,4 +1,5 @@
-"""Decode throughput of GLVQLinear vs dequantizing RTN, and forward latency of a quantized layer vs nn.Linear.
+"""Decode throughput of GLVQLinear vs dequantizing RTN, forward latency of a quantized layer vs nn.Linear, and the
+compact mode (decode on the fly, no dense weight kept) against the cached one.
 
     python benchmarks/glvq_decode.py [--out 1024] [--in 1024] [--group-size 128] [--dim 8] [--bits 2]
 
@@ -12,17 +13,26 @@ reference of earlier versions of this benchmark) is shown as well. Target: the f
 <= 2x RTN's time. The forward latency of
 GLVQLinear uses its cached decoded weight (decode once, then a dense matmul), so it matches
 nn.Linear; the uncached row shows decode-on-every-call. Medians of --repeats runs, as ratios.
+
+Serving table (``--serve-bits``, default 2 and 3): the cached layer (dense float32 weight decoded once) against
+``GLVQLinear(compact=True)`` (bit-packed codes; every forward pass unpacks and decodes ``tile_groups`` column
+groups at a time) on ``--tokens`` rows of input, with the bytes each holds (weights, codes, generators, cache)
+as a share of the fp32 weight. RTN's on-the-fly counterpart (dequantize uint8 codes, then the matmul) is the
+reference. Codes of the other bit widths are random (time and memory do not depend on their values).
+Targets: compact forward <= 3x cached, memory <= 0.12x fp32 at 2 bits.
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 from timing import median_time, recorded
 from torch import nn
 
-from lowrank_lit.methods.glvq import quantize_linear, rtn_quantize
+from lowrank_lit.bench import tensor_bytes
+from lowrank_lit.methods.glvq import GLVQLinear, quantize_linear, rtn_quantize
 
 
 def main() -> None:
@@ -34,6 +44,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--serve-bits", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256, 2048])
+    parser.add_argument("--tile-groups", type=int, default=4)
     args = parser.parse_args()
     torch.manual_seed(0)
     lin = nn.Linear(args.inp, args.out)
@@ -75,6 +88,48 @@ def main() -> None:
         print(f"| {name} | {t * 1e3:.2f} ms | {n / t / 1e6:.0f} | {t / t_rtn:.2f}x | {t / t_deq:.2f}x |")
     print(f"forward, batch {args.batch}: nn.Linear {t_dense * 1e6:.0f} us, GLVQLinear cached {t_cached * 1e6:.0f} us "
           f"({t_cached / t_dense:.2f}x), decode every call {t_uncached * 1e3:.1f} ms ({t_uncached / t_dense:.0f}x)")
+    serve(args, q, lin)
+
+
+def rtn_forward(x: torch.Tensor, codes: torch.Tensor, step: torch.Tensor, lo: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """RTN served on the fly: dequantize uint8 codes ``(out, groups, group_size)`` (lo + step * q), then the matmul."""
+    W = (codes.to(torch.float32) * step + lo).reshape(codes.shape[0], -1)  # (out, in)
+    return torch.nn.functional.linear(x, W, bias)
+
+
+def serve(args: argparse.Namespace, q: GLVQLinear, lin: nn.Linear) -> None:
+    """Cached vs compact forward and the bytes each holds, per bit width and input size."""
+    fp32 = lin.weight.numel() * 4
+    print(f"\nserving, layer {args.out}x{args.inp}, groups of {args.group_size}, d = {args.dim}, "
+          f"compact tiles of {args.tile_groups} groups; fp32 weight {fp32 / 2**20:.2f} MiB")
+    print("| bits | tokens | cached | compact | compact / cached | RTN dequantize + matmul / cached "
+          "| cached holds | compact holds |")
+    print("|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(1)
+    for bits in args.serve_bits:
+        cached = GLVQLinear(args.inp, args.out, args.group_size, args.dim)
+        cached.load_state_dict(q.state_dict())
+        if bits != args.bits:
+            cached.set_codes(torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), cached.codes.shape, generator=g)
+                             .to(torch.int8), bits)
+        compact = GLVQLinear(args.inp, args.out, args.group_size, args.dim, compact=True, tile_groups=args.tile_groups)
+        compact.load_state_dict(cached.state_dict())
+        Wg = lin.weight.detach().reshape(args.out, args.inp // args.group_size, args.group_size)
+        lo, hi = Wg.amin(dim=2, keepdim=True), Wg.amax(dim=2, keepdim=True)
+        step = (hi - lo).clamp_min(1e-12) / (2**bits - 1)
+        rtn = torch.round((Wg - lo) / step).clamp(0, 2**bits - 1).to(torch.uint8)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, args.inp)
+            with torch.no_grad():
+                torch.testing.assert_close(compact(x), cached(x), rtol=1e-5, atol=1e-4)
+                t_cached = median_time(partial(cached, x), args.repeats, warmup=1)
+                t_compact = median_time(partial(compact, x), args.repeats, warmup=1)
+                t_rtn = median_time(partial(rtn_forward, x, rtn, step, lo, lin.bias), args.repeats, warmup=1)
+            held_c, held_k = tensor_bytes(cached, cached._cache), tensor_bytes(compact)
+            print(f"| {bits} | {tokens} | {t_cached * 1e3:.2f} ms | {t_compact * 1e3:.2f} ms | **{t_compact / t_cached:.2f}x** "
+                  f"| {t_rtn / t_cached:.2f}x | {held_c / 2**20:.2f} MiB ({held_c / fp32:.3f}x) "
+                  f"| {held_k / 2**20:.2f} MiB (**{held_k / fp32:.3f}x**) |")
 
 if __name__ == "__main__":
     with recorded(__file__):

@@ -68,6 +68,9 @@ __all__ = [
     "salience_bit_allocation",
     "storage_bits",
     "GLVQLinear",
+    "pack_codes",
+    "unpack_codes",
+    "save_quantized",
     "decode_groups",
     "quantize_linear",
     "GLVQ",
@@ -407,12 +410,48 @@ def storage_bits(out_features: int, group_size: int, bits: torch.Tensor, dim: in
     return int(out_features * group_size * int(bits.sum()) + len(bits) * (dim * dim + 1) * 16)
 
 
-class GLVQLinear(nn.Module):
-    """A Linear layer stored as lattice codes: ``W_hat = s F_mu^-1(G z)`` per column group, decoded once and cached.
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed ``bits``-bit codes -> bytes: ``b`` bits per code, 8 codes in ``b`` bytes (2-bit codes: 4 per byte).
 
-    Buffers: ``codes (groups, d, L)`` int8, ``G (groups, d, d)``, ``mu (groups,)`` (0 = no companding),
-    ``scale (groups,)``, ``bits (groups,)``; ``bias`` as in the original layer. ``state_dict`` holds only
-    these (and the bias), so a saved quantized model reloads into ``GLVQLinear(in, out, ...)`` exactly.
+    A code ``z`` in ``[-2^(b-1), 2^(b-1) - 1]`` is stored as ``u = z + 2^(b-1)``; code ``i`` of a run of 8 takes
+    bits ``b i .. b i + b - 1`` of a little-endian ``8 b``-bit word (the last run is padded with zeros).
+
+    Returns:
+        ``(ceil(n / 8) * b,)`` uint8 for ``n = codes.numel()`` codes (flattened row-major).
+    """
+    _check_bits(bits)
+    u = codes.reshape(-1).to(torch.int64) + (1 << (bits - 1))  # (n,) in [0, 2^b)
+    u = F.pad(u, (0, (-u.numel()) % 8)).view(-1, 8)  # (words, 8)
+    word = (u << (torch.arange(8, device=u.device) * bits)).sum(1)  # (words,) 8 b <= 64 bits
+    return ((word.unsqueeze(1) >> (torch.arange(bits, device=u.device) * 8)) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The first ``count`` codes of :func:`pack_codes` output, as int8 ``(count,)``."""
+    _check_bits(bits)
+    by = packed.reshape(-1, bits).to(torch.int64)  # (words, b)
+    word = (by << (torch.arange(bits, device=by.device) * 8)).sum(1)  # (words,)
+    u = (word.unsqueeze(1) >> (torch.arange(8, device=by.device) * bits)) & ((1 << bits) - 1)  # (words, 8)
+    return (u.reshape(-1)[:count] - (1 << (bits - 1))).to(torch.int8)
+
+
+class GLVQLinear(nn.Module):
+    """A Linear layer stored as bit-packed lattice codes: ``W_hat = s F_mu^-1(G z)`` per column group.
+
+    Buffers: ``packed`` (uint8: each group's ``d x L`` codes at its ``b_g`` bits, :func:`pack_codes`, groups one
+    after another), ``G (groups, d, d)``, ``mu (groups,)`` (0 = no companding), ``scale (groups,)``,
+    ``bits (groups,)``; ``bias`` as in the original layer. ``state_dict`` holds only these, so a saved quantized
+    model reloads into ``GLVQLinear(in, out, ...)`` exactly (a state with unpacked int8 ``codes``, as written by
+    earlier versions, is packed on loading).
+
+    Two ways to serve it:
+
+    * cached (default): the dense weight is decoded once (:func:`decode_groups`) and kept until the buffers are
+      reloaded: the forward pass costs an ``nn.Linear``'s, the memory a dense float weight's;
+    * ``compact=True``: no dense weight is kept; every forward pass unpacks and decodes ``tile_groups`` column
+      groups at a time and accumulates ``x[:, cols] W_tile^T``: resident memory is the packed codes plus ``G``,
+      ``mu``, ``scale`` (about ``(b + overhead) / 32`` of fp32), the output equals the cached mode's to float
+      rounding.
 
     Args:
         in_features: input width.
@@ -420,53 +459,132 @@ class GLVQLinear(nn.Module):
         group_size: columns per group.
         dim: lattice dimension d.
         bias: keep a bias. Default: True.
+        compact: decode on the fly instead of caching the dense weight. Default: False.
+        tile_groups: column groups decoded at once in compact mode. Default: 4.
     """
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, dim: int, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, group_size: int, dim: int, bias: bool = True,
+                 compact: bool = False, tile_groups: int = 4) -> None:
         super().__init__()
         if in_features % group_size:
             raise ValueError(f"GLVQLinear: group_size={group_size} does not divide in_features={in_features}")
         if (out_features * group_size) % dim:
             raise ValueError(f"GLVQLinear: dim={dim} does not divide out_features * group_size = {out_features * group_size}")
-        n_groups, L = in_features // group_size, out_features * group_size // dim
+        if tile_groups < 1:
+            raise ValueError(f"GLVQLinear: tile_groups={tile_groups}; allowed: an integer >= 1")
+        n_groups = in_features // group_size
         self.in_features, self.out_features, self.group_size, self.dim = in_features, out_features, group_size, dim
-        self.register_buffer("codes", torch.zeros(n_groups, dim, L, dtype=torch.int8))
+        self.compact, self.tile_groups = compact, tile_groups
+        self.register_buffer("packed", torch.zeros(0, dtype=torch.uint8))
         self.register_buffer("G", torch.zeros(n_groups, dim, dim))
         self.register_buffer("mu", torch.zeros(n_groups))
         self.register_buffer("scale", torch.ones(n_groups))
         self.register_buffer("bits", torch.zeros(n_groups, dtype=torch.long))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self._cache: torch.Tensor | None = None
-        self._register_load_state_dict_pre_hook(lambda *a, **k: self._drop_cache())
+
+    @property
+    def codes_per_group(self) -> int:
+        return self.out_features * self.group_size  # d * L
+
+    def _offsets(self) -> list[int]:
+        """Byte offset of every group's codes in ``packed`` (and the end)."""
+        words = -(-self.codes_per_group // 8)
+        out = [0]
+        for b in self.bits.tolist():
+            out.append(out[-1] + words * int(b))
+        return out
+
+    def group_codes(self, start: int, stop: int) -> torch.Tensor:
+        """Unpacked codes of groups ``start .. stop - 1``: ``(stop - start, d, L)`` int8."""
+        off, n, d = self._offsets(), self.codes_per_group, self.dim
+        widths = self.bits[start:stop]
+        b = int(widths[0])
+        if b and bool((widths == b).all()) and n % 8 == 0:  # one width: the groups' bytes are one run, one unpack
+            return unpack_codes(self.packed[off[start]:off[stop]], b, (stop - start) * n).view(stop - start, d, n // d)
+        return torch.stack([unpack_codes(self.packed[off[g]:off[g + 1]], int(self.bits[g]), n).view(d, n // d)
+                            if int(self.bits[g]) else torch.zeros(d, n // d, dtype=torch.int8)  # not quantized yet
+                            for g in range(start, stop)])
+
+    def set_codes(self, codes: torch.Tensor, bits: torch.Tensor | int) -> None:
+        """Store ``codes (groups, d, L)`` (signed, within each group's ``bits``), bit-packed."""
+        bits = torch.as_tensor(bits, dtype=torch.long).expand(self.G.shape[0]).clone()
+        expected = (self.G.shape[0], self.dim, self.codes_per_group // self.dim)
+        if tuple(codes.shape) != expected:
+            raise ValueError(f"GLVQLinear.set_codes: codes of shape {tuple(codes.shape)}; expected {expected}")
+        with torch.no_grad():
+            self.bits.copy_(bits)
+            self.packed = torch.cat([pack_codes(codes[g], int(bits[g])) for g in range(len(bits))]).to(self.G.device)
+        self._cache = None
 
     def _drop_cache(self) -> None:
         self._cache = None
 
+    @property
+    def codes(self) -> torch.Tensor:
+        """Every group's codes, unpacked: ``(groups, d, L)`` int8."""
+        return self.group_codes(0, self.G.shape[0])
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        old = state_dict.pop(prefix + "codes", None)
+        if old is not None:  # unpacked int8 codes of an earlier version
+            bits = state_dict[prefix + "bits"]
+            state_dict[prefix + "packed"] = torch.cat([pack_codes(old[g], int(bits[g])) for g in range(len(bits))])
+        if prefix + "packed" in state_dict:  # its length depends on the bits: take the stored size
+            self.packed = torch.empty_like(state_dict[prefix + "packed"], device=self.packed.device)
+        self._cache = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def set_groups(self, results: list[GroupResult]) -> None:
         with torch.no_grad():
             for g, r in enumerate(results):
-                self.codes[g] = r.codes.to(torch.int8)
                 self.G[g] = r.G.float()
                 self.mu[g] = float(r.mu)
                 self.scale[g] = float(r.scale)
                 self.bits[g] = r.bits
+            self.packed = torch.cat([pack_codes(r.codes.to(torch.int8), int(r.bits)) for r in results]).to(self.G.device)
         self._cache = None
 
+    def _decode(self, start: int, stop: int) -> torch.Tensor:
+        """Columns of groups ``start .. stop - 1`` of the decoded weight: ``(out, (stop - start) group_size)``."""
+        return decode_groups(self.G[start:stop], self.group_codes(start, stop).to(self.G.device), self.mu[start:stop],
+                             self.scale[start:stop], self.out_features, self.group_size)
+
     def weight_hat(self) -> torch.Tensor:
-        """The decoded ``(out, in)`` weight in the buffers' dtype (batched :func:`decode_groups`; cached until
-        the buffers are reloaded)."""
-        if self._cache is None:
-            self._cache = decode_groups(self.G, self.codes, self.mu, self.scale, self.out_features, self.group_size)
-        return self._cache
+        """The decoded ``(out, in)`` weight in the buffers' dtype (batched :func:`decode_groups`); cached until the
+        buffers are reloaded, except in compact mode."""
+        if self._cache is not None:
+            return self._cache
+        W = self._decode(0, self.G.shape[0])
+        if not self.compact:
+            self._cache = W
+        return W
 
     def weight_hat_reference(self) -> torch.Tensor:
         """The same weight decoded group by group in float64 (the reference :meth:`weight_hat` is tested against)."""
-        cols = [_decode(self.G[g].double(), self.codes[g].double(), float(self.mu[g]), float(self.scale[g]),
-                        (self.out_features, self.group_size)) for g in range(self.codes.shape[0])]
+        codes = self.codes
+        cols = [_decode(self.G[g].double(), codes[g].double(), float(self.mu[g]), float(self.scale[g]),
+                        (self.out_features, self.group_size)) for g in range(codes.shape[0])]
         return torch.cat(cols, dim=1)
 
+    def set_compact(self, compact: bool = True) -> GLVQLinear:
+        """Switch between compact and cached serving (dropping the dense cache when compact)."""
+        self.compact = compact
+        self._cache = None
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_hat().to(x.dtype), self.bias)
+        if not self.compact:
+            return F.linear(x, self.weight_hat().to(x.dtype), self.bias)
+        flat = x.reshape(-1, self.in_features)  # (N, in)
+        out = flat.new_zeros(flat.shape[0], self.out_features) if self.bias is None else \
+            self.bias.to(x.dtype).expand(flat.shape[0], -1).clone()  # (N, out)
+        gs, n_groups = self.group_size, self.G.shape[0]
+        for start in range(0, n_groups, self.tile_groups):
+            stop = min(start + self.tile_groups, n_groups)
+            W = self._decode(start, stop).to(x.dtype)  # (out, tile columns)
+            out.addmm_(flat[:, start * gs:stop * gs], W.T)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def storage_bits(self) -> int:
         return storage_bits(self.out_features, self.group_size, self.bits, self.dim)
@@ -555,6 +673,36 @@ def quantize_linear(
                    "avg_code_bits": float(layer.bits.float().mean()), "scalar_groups": float(fallback)}
 
 
+#: the ``format`` entry of a quantized model's safetensors metadata
+QUANTIZED_FORMAT = "lowrank_lit.glvq/1"
+
+
+def save_quantized(module: nn.Module, path: str) -> dict[str, Any]:
+    """Write a quantized model as one safetensors file a user can read without this package.
+
+    Layout: every state-dict entry of ``module`` under its own name; a :class:`GLVQLinear` named ``L`` contributes
+    ``L.packed`` (uint8, :func:`pack_codes` per column group, groups in order), ``L.G (groups, d, d)``,
+    ``L.mu (groups,)`` (0: no companding), ``L.scale (groups,)``, ``L.bits (groups,)`` and ``L.bias``. The file's
+    metadata holds ``format`` (:data:`QUANTIZED_FORMAT`) and ``layers``: JSON ``{L: {in_features, out_features,
+    group_size, dim}}``. docs/methods/glvq.md has a reference decoder of this layout in numpy.
+
+    Returns:
+        the metadata written.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    layers = {n: {"in_features": m.in_features, "out_features": m.out_features, "group_size": m.group_size,
+                  "dim": m.dim} for n, m in module.named_modules() if isinstance(m, GLVQLinear)}
+    if not layers:
+        raise ValueError(f"save_quantized: {type(module).__name__} holds no GLVQLinear layer")
+    meta = {"format": QUANTIZED_FORMAT, "layers": json.dumps(layers)}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    save_file(state, path, metadata=meta)
+    return meta
+
+
 def _stored_decode(r: GroupResult | None, shape: tuple[int, int]) -> torch.Tensor:
     """``r`` decoded exactly as :class:`GLVQLinear` serves it (float32 buffers, float32 weight)."""
     assert r is not None
@@ -584,11 +732,13 @@ class GLVQ(pl.Callback):
         calib_batches: training batches whose activations calibrate. Default: 8 (512 images at batch 64).
         init: starting generation matrix of ``glvq``: ``cholesky`` (the card's G_0), ``scalar`` (the best
             scalar lattice) or ``both`` (one run from each, the better kept). Default: both.
+        compact: serve the quantized layers in compact mode (:class:`GLVQLinear`: decoded on the fly, no dense
+            weight kept). Default: False (decoded once and cached).
     """
 
     def __init__(self, targets: list[str], method: str = "glvq", bits: int = 2, group_size: int = 32, dim: int = 8,
                  compand: bool = False, sdba: bool = False, steps: int = 200, calib_batches: int = 8,
-                 init: str = "both") -> None:
+                 init: str = "both", compact: bool = False) -> None:
         if method not in METHODS:
             raise ValueError(f"GLVQ: method={method!r}; allowed: {', '.join(METHODS)}")
         _check_bits(bits)
@@ -598,7 +748,7 @@ class GLVQ(pl.Callback):
             raise ValueError(f"GLVQ: calib_batches={calib_batches!r}; allowed: >= 1")
         if init not in INITS:
             raise ValueError(f"GLVQ: init={init!r}; allowed: {', '.join(INITS)}")
-        self.init = init
+        self.init, self.compact = init, compact
         self.targets, self.method, self.bits, self.group_size, self.dim = list(targets), method, bits, group_size, dim
         self.compand, self.sdba, self.steps, self.calib_batches = compand, sdba, steps, calib_batches
         self.report: list[dict[str, Any]] = []
@@ -631,6 +781,8 @@ class GLVQ(pl.Callback):
             X = torch.cat(inputs[name])
             q, rep = quantize_linear(lin, X, self.bits, self.group_size, self.dim, self.method, self.compand, self.sdba, self.steps,
                                      self.init)
+            if isinstance(q, GLVQLinear):
+                q.set_compact(self.compact)
             replace_module(pl_module, name, q.to(pl_module.device))
             self.report.append({"layer": name, **rep})
         for logger in trainer.loggers:
@@ -638,6 +790,8 @@ class GLVQ(pl.Callback):
         if may_write(trainer):
             save_rows(trainer, self.report, "quantization.csv")
             torch.save(pl_module.state_dict(), artifact_path(trainer, "quantized.pt"))
+            if any(isinstance(m, GLVQLinear) for m in pl_module.modules()):  # packed codes, readable without us
+                save_quantized(pl_module, str(artifact_path(trainer, "quantized.safetensors")))
 
 
 def summarize(run_dirs: list[str]) -> list[dict[str, Any]]:

@@ -303,7 +303,10 @@ def test_quantization_config_runs(variant, fp_ckpt, run_root):
     assert [r["layer"] for r in rows] == ["backbone.net.0", "backbone.net.2"]
     if variant != "2bit_rtn":
         state = torch.load(run / "quantized.pt", weights_only=True)
-        assert state["backbone.net.0.codes"].dtype == torch.int8
+        packed, bits = state["backbone.net.0.packed"], state["backbone.net.0.bits"]
+        assert packed.dtype == torch.uint8 and "backbone.net.0.codes" not in state
+        out = state["backbone.net.0.bias"].numel()
+        assert packed.numel() == out * 32 * int(bits.sum()) // 8  # group_size 32: b bits per code, nothing more
 
 
 # -- must show (card section 4) ---------------------------------------------------------------------
@@ -360,8 +363,8 @@ def test_batched_float32_decode_matches_the_float64_reference():
     torch.manual_seed(0)
     layer = GLVQLinear(in_features=96, out_features=40, group_size=32, dim=8)
     n_groups, d, L = layer.codes.shape
+    layer.set_codes(torch.randint(-2, 2, layer.codes.shape, dtype=torch.int8), 2)
     with torch.no_grad():
-        layer.codes.copy_(torch.randint(-2, 2, layer.codes.shape, dtype=torch.int8))
         layer.G.copy_(torch.randn(n_groups, d, d) * 0.3)
         layer.mu.copy_(torch.tensor([0.0, 255.0, 8.0]))  # group 0 not companded
         layer.scale.copy_(torch.tensor([0.5, 1.5, 0.02]))
@@ -373,3 +376,103 @@ def test_batched_float32_decode_matches_the_float64_reference():
     # the same through the function on float64 buffers is the reference itself
     exact = decode_groups(layer.G.double(), layer.codes, layer.mu.double(), layer.scale.double(), 40, 32)
     torch.testing.assert_close(exact, ref, rtol=1e-12, atol=1e-12)
+
+
+# -- bit-packed codes and the compact (decode-on-the-fly) mode ------------------------------------------------------
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_packed_codes_round_trip_at_b_bits_per_code(bits):
+    from lowrank_lit.methods.glvq import pack_codes, unpack_codes
+
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (3, 8, 13), generator=g).to(torch.int8)  # 312 codes
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == 39 * bits  # 8 codes in b bytes
+    assert torch.equal(unpack_codes(packed, bits, codes.numel()), codes.reshape(-1))
+
+
+def test_packed_layout_is_pinned():
+    """2-bit codes -2, -1, 0, 1 are stored as 0, 1, 2, 3 in bits 0-1, 2-3, 4-5, 6-7 of a byte: 0b11100100."""
+    from lowrank_lit.methods.glvq import pack_codes
+
+    packed = pack_codes(torch.tensor([-2, -1, 0, 1, 1, 1, 1, 1], dtype=torch.int8), 2)
+    assert packed.tolist() == [0b11100100, 0xFF]
+    # 3-bit: u = 7, 0, 4, 4, 4, 4, 4, 4 at bits 0, 3, 6, ..., 21 of a 24-bit word
+    assert pack_codes(torch.tensor([3, -4, 0, 0, 0, 0, 0, 0]), 3).tolist() == [0b00000111, 0b01001001, 0b10010010]
+
+
+def _quantized_layer(compand: bool, bits: int = 2):
+    from lowrank_lit.methods.glvq import quantize_linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 48)
+    layer, _ = quantize_linear(lin, torch.randn(256, 128), bits, 32, 8, "glvq", compand=compand, steps=3)
+    return layer
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_compact_mode_equals_the_cached_mode_and_keeps_no_dense_weight(mixed):
+    from lowrank_lit.methods.glvq import GLVQLinear
+
+    layer = _quantized_layer(False)
+    if mixed:  # SDBA's N-1 / N / N+1 bits: groups of different widths in one packed buffer
+        bits = torch.tensor([1, 3, 2, 8])
+        g = torch.Generator().manual_seed(1)
+        layer.set_codes(torch.stack([torch.randint(-(2 ** (b - 1)), 2 ** (b - 1), layer.codes.shape[1:], generator=g)
+                                     for b in bits.tolist()]).to(torch.int8), bits)
+    x = torch.randn(5, 7, 128)
+    cached = layer(x)
+    compact = GLVQLinear(128, 48, 32, 8, compact=True, tile_groups=3)
+    compact.load_state_dict(layer.state_dict())
+    got = compact(x)
+    assert got.shape == (5, 7, 48) and compact._cache is None
+    torch.testing.assert_close(got, cached, rtol=1e-5, atol=1e-5)
+    assert torch.equal(compact.codes, layer.codes)
+
+
+def test_compact_layer_holds_about_b_bits_per_weight():
+    from lowrank_lit.bench import tensor_bytes
+    from lowrank_lit.methods.glvq import GLVQLinear
+
+    layer = GLVQLinear(512, 512, 128, 8, bias=False, compact=True)
+    layer.set_codes(torch.randint(-2, 2, layer.codes.shape, dtype=torch.int8), 2)
+    layer(torch.randn(2, 512))
+    held = tensor_bytes(layer)  # packed codes + G, mu, scale, bits
+    assert held <= 0.07 * 512 * 512 * 4  # 2/32 = 0.0625 of fp32, plus 4 groups' 8 x 8 generators
+    assert layer.packed.numel() == 512 * 512 * 2 // 8
+
+
+def test_an_unpacked_state_of_an_earlier_version_loads_packed():
+    from lowrank_lit.methods.glvq import GLVQLinear
+
+    layer = _quantized_layer(True)
+    old = {k: v for k, v in layer.state_dict().items() if k != "packed"}
+    old["codes"] = layer.codes  # (groups, d, L) int8, as stored before codes were packed
+    fresh = GLVQLinear(128, 48, 32, 8)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.packed, layer.packed) and torch.equal(fresh.weight_hat(), layer.weight_hat())
+
+
+def test_the_documented_reference_decoder_matches_ours(tmp_path):
+    """docs/methods/glvq.md's numpy decoder (<= 50 lines) reads quantized.safetensors and gives our weights."""
+    import re
+
+    from lowrank_lit.methods.glvq import save_quantized
+    from tests.helpers import ROOT
+
+    text = (ROOT / "docs" / "methods" / "glvq.md").read_text()
+    code = re.search(r"<!-- reference decoder -->\n```python\n(.*?)```", text, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 50
+    namespace: dict = {}
+    exec(compile(code, "reference_decoder", "exec"), namespace)
+    model = nn.Sequential(_quantized_layer(True), nn.ReLU(), _quantized_layer(False))
+    bits = torch.tensor([1, 3, 2, 8])
+    g = torch.Generator().manual_seed(2)
+    model[2].set_codes(torch.stack([torch.randint(-(2 ** (b - 1)), 2 ** (b - 1), model[2].codes.shape[1:], generator=g)
+                                    for b in bits.tolist()]).to(torch.int8), bits)  # mixed widths, as SDBA gives
+    path = str(tmp_path / "quantized.safetensors")
+    save_quantized(model, path)
+    for name in ("0", "2"):
+        got = torch.from_numpy(namespace["decode_layer"](path, name))
+        torch.testing.assert_close(got, model[int(name)].weight_hat_reference(), rtol=1e-12, atol=1e-12)
+    assert float(model[0].mu.max()) > 0  # the companded path was exercised
