@@ -205,3 +205,30 @@ def test_nanoadam_sparse_delta_reproduces_the_fine_tuned_weights_exactly(tmp_pat
     (tmp_path / "a" / "artifact.json").write_text(json.dumps(meta))
     assert _cli("load", tmp_path / "a") == 2
     assert "wrong base at 'head_src.bias'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- Q3R's two factors
+def test_q3r_factors_export_is_the_truncated_model(tmp_path, capsys):
+    import copy
+
+    from lowrank_lit.launch.export import load_factors
+    from lowrank_lit.methods.q3r import truncate
+    from lowrank_lit.nn.lowrank_linear import LowRankLinear
+
+    assert run_cli("fit", "--config", "configs/q3r/mlp_digits.yaml", "--trainer.max_epochs=2", "--test_after_fit=false",
+                   "--run_id", "q", run_root=tmp_path / "runs") == 0
+    run = tmp_path / "runs" / "q3r" / "mlp_digits" / "q"
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", tmp_path / "f",
+                "--format", "factors") == 2
+    assert "needs --keep" in capsys.readouterr().err
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", tmp_path / "f",
+                "--format", "factors", "--keep", "0.2") == 0
+    # rank floor(0.2 d1 d2 / (d1 + d2)): 8 for 128 x 64, 12 for 128 x 128
+    assert "ranks backbone.net.0 [8], backbone.net.2 [12]" in capsys.readouterr().out
+    loaded = load_factors(tmp_path / "f")
+    want = truncate(copy.deepcopy(_trained_model(run)), 0.2, ["backbone.net.0", "backbone.net.2"])
+    assert isinstance(loaded.backbone.net[0], LowRankLinear) and isinstance(loaded.backbone.net[2], LowRankLinear)
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in want.parameters())
+    x = torch.rand(32, 64) * 16
+    with torch.no_grad():
+        assert torch.equal(loaded(x), want(x))  # same factors, same accuracy on any test set

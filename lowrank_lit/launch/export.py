@@ -16,6 +16,10 @@ and :func:`load_run_artifact` read any export; the others add:
   (HydraLoRA / LoPE's routed experts, capsule prompts) are refused with the reason.
 * ``hf`` -- the backbone with its LoRA merged, as a ``save_pretrained`` folder that
   ``transformers.AutoModel.from_pretrained(DIR)`` loads (refused where a merge is not possible).
+* ``factors`` (``--keep FRACTION``) -- a rank-regularised model (Q3R) truncated by SVD to two factors per target
+  Linear (:func:`lowrank_lit.methods.q3r.truncate`, :class:`~lowrank_lit.nn.lowrank_linear.LowRankLinear`):
+  ``factors.safetensors`` holds the whole truncated model, ``factors.json`` the ranks per layer;
+  :func:`load_factors` rebuilds it. The targets are the config's ``Q3R`` callback's unless ``--targets`` names them.
 
 ``load`` builds the base from the artifact's own config section, checks it (shapes, and a digest of every frozen
 weight: a different base is named by its first differing key) and applies the artifact; ``--out`` writes a
@@ -45,10 +49,12 @@ from lowrank_lit.artifacts import (
     save_artifact,
 )
 
-__all__ = ["FORMATS", "export_checkpoint", "build_base", "load_run_artifact", "find_backbone", "main_export",
-           "main_load"]
+__all__ = ["FORMATS", "export_checkpoint", "build_base", "load_run_artifact", "load_factors", "find_backbone",
+           "main_export", "main_load"]
 
-FORMATS = ("native", "peft", "hf")
+FORMATS = ("native", "peft", "hf", "factors")
+#: files of the ``factors`` format (a whole low-rank model: every weight differs from the base)
+FACTORS, FACTORS_META = "factors.safetensors", "factors.json"
 
 
 def _plain(value: Any) -> Any:
@@ -125,8 +131,8 @@ def _write_hf(model: nn.Module, out: Path) -> None:
     clean.save_pretrained(str(out))
 
 
-def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native", config: str | Path | None = None
-                      ) -> dict[str, Any]:
+def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native", config: str | Path | None = None,
+                      keep: float | None = None, targets: Sequence[str] | None = None) -> dict[str, Any]:
     """Export what the run of ``ckpt_path`` trained into the folder ``out``.
 
     Args:
@@ -134,6 +140,8 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
         out: a new folder (refused if it holds files).
         fmt: ``native``, ``peft`` or ``hf`` (see the module docstring).
         config: the run's config; default ``RUN/config.yaml`` beside the checkpoint folder.
+        keep, targets: ``factors`` only: the share of each target's parameters kept, and the target patterns
+            (default: the config's Q3R callback's).
 
     Returns:
         a summary: entries, trained values, artifact and checkpoint bytes.
@@ -169,6 +177,8 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
             "data": _plain(cfg.data) if hasattr(model, "prepare_base") and cfg.get("data") else None,
             "source": {"checkpoint": str(ckpt_path), "global_step": ckpt.get("global_step"), "config": str(config)},
             "formats": [fmt] if fmt == "native" else ["native", fmt]}
+    if fmt == "factors":
+        return _export_factors(built, ckpt["state_dict"], base, out, keep, targets, meta)
     save_artifact(out, tensors, entries, base, meta)
     if fmt != "native":  # the trained weights in the model, for the ecosystem's writers
         model.load_state_dict({**base, **{k: v for k, v in ckpt["state_dict"].items() if k in base}})
@@ -185,6 +195,69 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
     total = sum(v.numel() for k, v in base.items() if k not in alias)
     return {"entries": len(entries), "trained_values": trained, "base_values": total,
             "artifact_bytes": artifact_bytes(out), "checkpoint_bytes": ckpt_path.stat().st_size, "out": str(out)}
+
+
+def _config_targets(cfg: Any) -> list[str]:
+    """The target patterns of the config's Q3R callback (empty when there is none)."""
+    for c in cfg.trainer.get("callbacks") or []:
+        c = _plain(c)
+        if str(c.get("class_path", "")).endswith("q3r.Q3R"):
+            return list(c.get("init_args", {}).get("targets", []))
+    return []
+
+
+def _export_factors(built: Any, trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor], out: Path,
+                    keep: float | None, targets: Sequence[str] | None, meta: dict[str, Any]) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    from lowrank_lit.methods.q3r import truncate
+    from lowrank_lit.nn.lowrank_linear import LowRankLinear
+
+    if keep is None:
+        raise ArtifactError("--format factors needs --keep FRACTION (the share of each target's parameters kept)")
+    patterns = list(targets or _config_targets(built.config))
+    if not patterns:
+        raise ArtifactError("--format factors: the config has no Q3R callback; name the layers with --targets")
+    model = built.model
+    model.load_state_dict({**base, **{k: v for k, v in trained.items() if k in base}})
+    truncate(model.eval(), keep, patterns)
+    ranks = {n: m.ranks for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / FACTORS))
+    doc = {"format": "lowrank_lit.factors/1", **meta, "keep_fraction": keep, "targets": patterns, "ranks": ranks,
+           "parameters": sum(p.numel() for p in model.parameters())}
+    (out / FACTORS_META).write_text(json.dumps(doc, indent=1) + "\n")
+    return {"entries": len(state), "trained_values": doc["parameters"], "base_values": doc["parameters"],
+            "artifact_bytes": artifact_bytes(out), "checkpoint_bytes": 0, "out": str(out), "ranks": ranks}
+
+
+def load_factors(path: str | Path) -> nn.Module:
+    """The truncated model of a ``factors`` export: its config's model with the targets replaced by two factors of
+    the stored ranks, then the stored weights (strict)."""
+    import lightning.pytorch as pl
+    from safetensors.torch import load_file
+
+    from lowrank_lit.launch.build import build_component
+    from lowrank_lit.nn.lowrank_linear import LowRankLinear
+    from lowrank_lit.nn.targets import replace_module
+
+    folder = Path(path)
+    if not (folder / FACTORS_META).is_file():
+        raise ArtifactError(f"{str(folder)!r} holds no {FACTORS_META} (write one with lowrank export --format factors)")
+    meta = json.loads((folder / FACTORS_META).read_text())
+    model = build_component("model", pl.LightningModule, meta["model"])
+    for name, ranks in meta["ranks"].items():
+        old = model.get_submodule(name)
+        rows = [old.out_features // len(ranks)] * len(ranks)
+        replace_module(model, name, LowRankLinear(old.in_features, rows, ranks, bias=old.bias is not None))
+    try:
+        state = load_file(str(folder / FACTORS))
+    except Exception as exc:  # a truncated or foreign file: one line
+        raise ArtifactError(f"{str(folder / FACTORS)!r} is truncated or not a safetensors file "
+                            f"({str(exc).splitlines()[0]})") from None
+    model.load_state_dict(state)
+    return model.eval()
 
 
 def build_base(path: str | Path) -> nn.Module:
@@ -221,14 +294,21 @@ def main_export(argv: Sequence[str]) -> int:
     parser.add_argument("--out", required=True, help="a new folder for the artifact (never overwritten)")
     parser.add_argument("--format", default="native", help=f"one of {', '.join(FORMATS)} (default: native)")
     parser.add_argument("--config", help="the run's config (default: config.yaml of the run folder)")
+    parser.add_argument("--keep", type=float, help="--format factors: share of each target's parameters kept")
+    parser.add_argument("--targets", nargs="+", help="--format factors: layer patterns (default: the Q3R callback's)")
     args = parser.parse_args(list(argv))
     if args.format not in FORMATS:
         parser.error(f"--format: {args.format!r}; allowed: {', '.join(FORMATS)}")
     try:
-        got = export_checkpoint(args.ckpt_path, args.out, args.format, args.config)
+        got = export_checkpoint(args.ckpt_path, args.out, args.format, args.config, args.keep, args.targets)
     except (ArtifactError, ValueError) as exc:
         print(f"lowrank export: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
+    if args.format == "factors":
+        ranks = ", ".join(f"{n} {r}" for n, r in got["ranks"].items())
+        print(f"exported the truncated model ({got['trained_values']:,} parameters; ranks {ranks}) to {got['out']}: "
+              f"{_size(got['artifact_bytes'])}")
+        return 0
     share = got["trained_values"] / max(got["base_values"], 1)
     print(f"exported {got['entries']} trained tensors ({got['trained_values']:,} values, {share:.2%} of the model) "
           f"to {got['out']}: {_size(got['artifact_bytes'])}, "
