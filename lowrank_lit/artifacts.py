@@ -33,7 +33,8 @@ from torch import nn
 
 __all__ = [
     "ArtifactError", "FORMAT", "TENSORS", "META", "tensor_digest", "changed_entries", "save_artifact",
-    "read_artifact", "apply_artifact", "load_artifact", "artifact_bytes", "aliases",
+    "read_artifact", "apply_artifact", "load_artifact", "artifact_bytes", "aliases", "flatten_state",
+    "unflatten_state", "save_state", "load_state",
 ]
 
 #: the ``format`` field of ``artifact.json``
@@ -238,3 +239,85 @@ def load_artifact(path: str | os.PathLike, base: nn.Module, check_base: bool = T
 def artifact_bytes(path: str | os.PathLike) -> int:
     """Bytes of every file in an artifact folder."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+# ------------------------------------------------------------------------------ nested states (TTA streams)
+#: the ``format`` field of a nested state's JSON (``state.json``)
+STATE_FORMAT = "lowrank_lit.state/1"
+
+
+def flatten_state(obj: Any, prefix: str = "s") -> tuple[dict[str, torch.Tensor], Any]:
+    """A nested state (dicts with any keys, lists, tuples, tensors, numbers, strings, None) as ``(tensors by path,
+    JSON skeleton)``: each tensor becomes ``{"__tensor__": path}``; dicts become ``{"__dict__": [[key, value],
+    ...]}`` (keys keep their type), tuples ``{"__tuple__": [...]}``. :func:`unflatten_state` inverts it."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x.detach().to("cpu").contiguous().clone()
+            return {"__tensor__": path}
+        if isinstance(x, dict):
+            return {"__dict__": [[k, walk(v, f"{path}.{i}")] for i, (k, v) in enumerate(x.items())]}
+        if isinstance(x, (list, tuple)):
+            items = [walk(v, f"{path}.{i}") for i, v in enumerate(x)]
+            return {"__tuple__": items} if isinstance(x, tuple) else items
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise ArtifactError(f"flatten_state: {path} is a {type(x).__name__}; allowed: tensors, dicts, lists, tuples, "
+                            "numbers, strings, None")
+
+    return tensors, walk(obj, prefix)
+
+
+def unflatten_state(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """The nested state :func:`flatten_state` described."""
+    if isinstance(skeleton, list):
+        return [unflatten_state(v, tensors) for v in skeleton]
+    if isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            return tensors[skeleton["__tensor__"]]
+        if "__tuple__" in skeleton:
+            return tuple(unflatten_state(v, tensors) for v in skeleton["__tuple__"])
+        return {k if not isinstance(k, list) else tuple(k): unflatten_state(v, tensors) for k, v in skeleton["__dict__"]}
+    return skeleton
+
+
+def save_state(folder: str | os.PathLike, obj: Any, meta: Mapping[str, Any]) -> Path:
+    """Write a nested state as ``state.safetensors`` + ``state.json`` into a new folder (never over one)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if (folder / "state.json").exists():
+        raise ArtifactError(f"{str(folder)!r} already holds a state; it is never overwritten")
+    tensors, skeleton = flatten_state(obj)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "state.safetensors"))
+    (folder / "state.json").write_text(json.dumps({"format": STATE_FORMAT, **meta, "state": skeleton}) + "\n")
+    return folder
+
+
+def load_state(folder: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """``(state, meta)`` of a :func:`save_state` folder; one line of :class:`ArtifactError` when broken."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    meta_file, tensor_file = folder / "state.json", folder / "state.safetensors"
+    for f in (meta_file, tensor_file):
+        if not f.is_file():
+            raise ArtifactError(f"state {str(folder)!r}: {f.name} is missing")
+    try:
+        meta = json.loads(meta_file.read_text())
+        tensors = load_file(str(tensor_file))
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{str(meta_file)!r} is truncated or not JSON ({exc.msg})") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ArtifactError(f"{str(tensor_file)!r} is truncated or not a safetensors file "
+                            f"({str(exc).splitlines()[0]})") from None
+    if meta.get("format") != STATE_FORMAT:
+        raise ArtifactError(f"{str(meta_file)!r}: format {meta.get('format')!r}; this version reads {STATE_FORMAT!r}")
+    skeleton = meta.pop("state")
+    try:
+        return unflatten_state(skeleton, tensors), meta
+    except KeyError as exc:
+        raise ArtifactError(f"{str(tensor_file)!r} lacks {exc.args[0]!r}, which state.json lists") from None

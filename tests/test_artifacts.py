@@ -232,3 +232,76 @@ def test_q3r_factors_export_is_the_truncated_model(tmp_path, capsys):
     x = torch.rand(32, 64) * 16
     with torch.no_grad():
         assert torch.equal(loaded(x), want(x))  # same factors, same accuracy on any test set
+
+
+# ---------------------------------------------------------------------------------------- TTA stream states
+def _same_state(a, b) -> bool:
+    from lowrank_lit.artifacts import flatten_state
+
+    (ta, sa), (tb, sb) = flatten_state(a), flatten_state(b)
+    return sa == sb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("config", ["reservoir_tta/csc_digits.yaml", "trust/digits_c_trust.yaml"])
+def test_a_tta_stream_state_resumes_the_stream_exactly(config, tmp_path):
+    """The run writes stream_state/; a new run that loads it and sees the next batch ends in the same state as the
+    first run seeing that batch (a reservoir's copies, centroids, buffer and generator; TRUST's traversal order)."""
+    from lowrank_lit.artifacts import ArtifactError
+    from lowrank_lit.launch.build import build_from_config
+    from tests.helpers import writing_trainer
+
+    overrides = ["--model.init_args.source_ckpt=null"]
+    if "reservoir" in config:
+        overrides.append("--model.init_args.method.init_args.n_source_styles=50")
+    first = build_from_config(f"configs/{config}", overrides, verb="test", callbacks=False)
+    writing_trainer(tmp_path / "a", limit_test_batches=14, inference_mode=False).test(first.model, first.data, verbose=False)
+    folder = tmp_path / "a" / "stream_state"
+    assert (folder / "state.safetensors").is_file() and (folder / "state.json").is_file()
+    if "reservoir" in config:
+        assert first.model.method.num_models >= 2  # the stream's second domain opened a copy
+
+    second = build_from_config(f"configs/{config}", [*overrides, f"--model.init_args.stream_state={folder}"],
+                               verb="test", callbacks=False)
+    writing_trainer(tmp_path / "b", limit_test_batches=1, inference_mode=False).test(second.model, second.data,
+                                                                                    verbose=False)
+    x, _y, domain, *_ = next(iter(first.data.test_dataloader()))  # the batch the second run saw
+    first.model.method.domain = int(domain[0])
+    with torch.enable_grad():
+        first.model.method.forward_and_adapt(x)
+    assert _same_state(first.model.method.stream_state(), second.model.method.stream_state())
+
+    other = build_from_config(f"configs/{config}", [*overrides, f"--model.init_args.stream_state={folder}",
+                                                    "--seed_everything=7"], verb="test", callbacks=False)
+    with pytest.raises(ArtifactError, match="adapted from another source model"):  # other random source weights
+        writing_trainer(tmp_path / "c", limit_test_batches=1, inference_mode=False).test(other.model, other.data,
+                                                                                        verbose=False)
+
+
+def test_soft_prompt_peft_export_loads_as_peft_prompt_tuning(tmp_path, capsys):
+    import peft
+
+    from lowrank_lit.models.text import load_backbone
+
+    assert run_cli("fit", "--config", "configs/pt_moe/templated_pt.yaml", "--trainer.max_steps=2",
+                   "--test_after_fit=false", "--trainer.limit_val_batches=0", "--run_id", "p",
+                   run_root=tmp_path / "runs") == 0
+    run = tmp_path / "runs" / "pt_moe" / "templated_pt" / "p"
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", tmp_path / "e",
+                "--format", "peft") == 0
+    ours = _trained_model(run)
+    m = ours.prompt.prompt_len
+    base, _ = load_backbone(num_layers=ours.hparams.num_layers)
+    theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "e")).eval()
+    ids, mask = text_batch()
+    with torch.no_grad():
+        got = theirs(input_ids=ids, attention_mask=mask).last_hidden_state[:, m:]  # peft puts the T tokens first
+        want = ours.encoder(ids, mask).hidden
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # a capsule prompt has no peft type: refused with the reason, nothing written
+    assert run_cli("fit", "--config", "configs/capt/templated_capt.yaml", "--trainer.max_steps=1",
+                   "--test_after_fit=false", "--trainer.limit_val_batches=0", "--run_id", "c",
+                   run_root=tmp_path / "runs") == 0
+    capsys.readouterr()
+    assert _cli("export", "--ckpt_path", tmp_path / "runs" / "capt" / "templated_capt" / "c" / "checkpoints" / "last.ckpt",
+                "--out", tmp_path / "c", "--format", "peft") == 2
+    assert "CapsulePrompt has no peft type" in capsys.readouterr().err and not (tmp_path / "c").exists()

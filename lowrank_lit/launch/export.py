@@ -97,14 +97,36 @@ def _unwrapped(backbone: nn.Module, merge: bool) -> tuple[nn.Module, dict[str, n
     return clean, adapters
 
 
+def _write_peft_prompt(prompt: nn.Module, backbone: nn.Module, out: Path) -> None:
+    """Our :class:`~lowrank_lit.nn.prompts.SoftPrompt` as peft's PROMPT_TUNING (the same forward, tested)."""
+    import peft
+
+    table = prompt.prompt_embeddings.detach()  # (T, H)
+    config = peft.PromptTuningConfig(task_type="FEATURE_EXTRACTION", num_virtual_tokens=table.shape[0])
+    wrapped = peft.get_peft_model(copy.deepcopy(backbone), config)
+    peft.set_peft_model_state_dict(wrapped, {"prompt_embeddings": table})
+    wrapped.save_pretrained(str(out))
+
+
 def _write_peft(model: nn.Module, out: Path) -> None:
     import peft
 
+    from lowrank_lit.nn.prompts import PromptModule, SoftPrompt
+
     name, backbone = find_backbone(model)
     clean, adapters = _unwrapped(backbone, merge=False)
+    prompts = [m for m in model.modules() if isinstance(m, PromptModule)]
+    soft = [m for m in prompts if type(m) is SoftPrompt]
+    others = [m for m in prompts if type(m) is not SoftPrompt]
+    if len(soft) == 1 and not adapters and not others:
+        return _write_peft_prompt(soft[0], clean, out)
+    if others or (soft and adapters):
+        kind = type((others or soft)[0]).__name__
+        raise ArtifactError(f"--format peft: {kind} has no peft type (peft has LoRA and plain prompt tuning, one per "
+                            "adapter); use --format native")
     if not adapters:
-        raise ArtifactError(f"--format peft: {name or 'the model'} has no LoRALinear adapters; peft's LoRA is the "
-                            "type this export writes (use --format native)")
+        raise ArtifactError(f"--format peft: {name or 'the model'} has no LoRALinear adapters or SoftPrompt; use "
+                            "--format native")
     ranks = {m.r for m in adapters.values()}
     alphas = {round(m.scaling * m.r, 9) for m in adapters.values()}
     if len(ranks) != 1 or len(alphas) != 1:

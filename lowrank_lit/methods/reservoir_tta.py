@@ -310,6 +310,25 @@ class ReservoirTTA(TTAWrapper):
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.predict(x)
 
+    def stream_state(self) -> dict[str, Any]:
+        """The reservoir: every copy's adapted state, the centroids (offsets and their optimizer), the style buffer
+        and its counters, the threshold and the sampling generator; the method's current state."""
+        return {"state": self.method.get_state(), "copies": self.copies, "source_state": self.source_state,
+                "source_mean": self.source_mean, "tau": self.tau, "batch_size": self.batch_size,
+                "deltas": [d.detach() for d in self.deltas], "centroid_opt": self.centroid_opt.state_dict(),
+                "buffer": list(self.buffer), "seen": self.seen, "generator": self.generator.get_state()}
+
+    def load_stream_state(self, state: dict[str, Any]) -> None:
+        self.method.set_state(state["state"])
+        self.copies = [copy.deepcopy(c) for c in state["copies"]]
+        self.source_state = copy.deepcopy(state["source_state"])
+        self.source_mean, self.tau, self.batch_size = state["source_mean"].clone(), state["tau"], state["batch_size"]
+        self.deltas = nn.ParameterList([nn.Parameter(d.clone()) for d in state["deltas"]])
+        self.centroid_opt = torch.optim.AdamW([{"params": [d]} for d in self.deltas], lr=self.centroid_lr)
+        self.centroid_opt.load_state_dict(state["centroid_opt"])
+        self.buffer, self.seen = [b.clone() for b in state["buffer"]], state["seen"]
+        self.generator.set_state(state["generator"])
+
 
 
 def _method_label(cfg_method: dict[str, Any]) -> str:

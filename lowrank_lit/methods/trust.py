@@ -291,6 +291,14 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
         self.last_entropies: list[float] = []
         self.rankings: list[dict[str, Any]] = []
 
+    def stream_state(self) -> dict[str, Any]:
+        """The adapted state and the traversal order chosen for the current domain."""
+        return {**super().stream_state(), "order": [list(t) for t in getattr(self, "order", self.fixed)]}
+
+    def load_stream_state(self, state: dict[str, Any]) -> None:
+        super().load_stream_state(state)
+        self.order = [tuple(int(i) for i in t) for t in state["order"]]
+
     def select_params(self, model: nn.Module) -> list[nn.Parameter]:
         return trust_params(model)
 

@@ -199,6 +199,16 @@ class TTAMethod:
             "extra": copy.deepcopy(self.extra_state()),
         }
 
+    def stream_state(self) -> dict[str, Any]:
+        """Everything needed to go on adapting this stream later, or to evaluate the adapted model: tensors,
+        numbers and containers only (saved with :func:`lowrank_lit.artifacts.save_state`). Default: the adapted
+        model's :meth:`get_state`; methods with more (a reservoir, a chosen traversal order) extend it."""
+        return {"state": self.get_state()}
+
+    def load_stream_state(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`stream_state` (after :meth:`setup` on the same source model)."""
+        self.set_state(state["state"])
+
     def set_state(self, state: dict[str, Any], copy_state: bool = True) -> None:
         """Load a :meth:`get_state` result; ``copy_state=False`` lets the optimizer share its tensors (the
         caller then must not reuse ``state`` after the next step)."""

@@ -64,10 +64,17 @@ class TTAModule(pl.LightningModule):
             source styles come from the datamodule's ``source_dataloader``). Default: True.
         reset_each_domain: return to the source weights and a fresh optimizer whenever the stream's domain
             changes (online but episodic per domain, TRUST's protocol). Default: False (continual).
+        stream_state: a ``stream_state/`` folder an earlier run wrote: the method starts from the adapted
+            state(s) saved there (a reservoir with its copies and centroids, TRUST's traversal order) instead of
+            the source model's, so a stream can be continued or an adapted model evaluated on other data. The
+            source model must be the same (checked by digest). Default: None.
+
+    At the end of the stream the run directory gets ``stream_state/`` (``state.safetensors`` + ``state.json``:
+    :meth:`TTAMethod.stream_state` and the source model's digest).
     """
 
     def __init__(self, model: nn.Module, method: TTAMethod, source_ckpt: str | None = None, source_batches: bool = True,
-                 reset_each_domain: bool = False) -> None:
+                 reset_each_domain: bool = False, stream_state: str | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model", "method"], logger=False)
         self.model = model
@@ -76,6 +83,8 @@ class TTAModule(pl.LightningModule):
         self.source_ckpt = source_ckpt
         self.use_source_batches = source_batches
         self.reset_each_domain = reset_each_domain
+        self.stream_state = stream_state
+        self._source_digest: str | None = None
         self._domain: int | None = None
         self.rows: list[dict[str, Any]] = []
         self._ready = False
@@ -93,10 +102,25 @@ class TTAModule(pl.LightningModule):
         if self.use_source_batches and isinstance(dm, SourceData):
             gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
             batches = _cycle(lambda: dm.source_dataloader(generator=gen))
+        self._source_digest = _model_digest(self.model)
         self.method.setup(self.model, batches)
         if self.reset_each_domain:
             self.method.snapshot_source()
+        if self.stream_state is not None:
+            self._resume(self.stream_state)
         self._ready = True
+
+    def _resume(self, folder: str) -> None:
+        from lowrank_lit.artifacts import ArtifactError, load_state
+
+        state, meta = load_state(folder)
+        if meta.get("method") != type(self.method).__name__:
+            raise ArtifactError(f"stream_state={folder!r} was saved by {meta.get('method')}, not "
+                                f"{type(self.method).__name__}")
+        if meta.get("source_digest") != self._source_digest:
+            raise ArtifactError(f"stream_state={folder!r} was adapted from another source model (digest "
+                                f"{meta.get('source_digest')} vs {self._source_digest})")
+        self.method.load_stream_state(state)
 
     def on_test_start(self) -> None:
         if torch.is_inference_mode_enabled():
@@ -157,6 +181,11 @@ class TTAModule(pl.LightningModule):
         self.per_recurrence = per_rec
         if may_write(self.trainer):
             self._save(per_rec, {label[d]: e for d, e in errors.items()})
+            from lowrank_lit.artifacts import save_state
+
+            save_state(artifact_path(self.trainer, "stream_state"), self.method.stream_state(),
+                       {"method": type(self.method).__name__, "source_digest": self._source_digest,
+                        "batches": len(self.rows)})
 
     def _save(self, per_rec: dict[int, float], per_domain: dict[str, float]) -> None:
         save_rows(self.trainer, self.rows, "tta_batches.csv")
@@ -166,6 +195,16 @@ class TTAModule(pl.LightningModule):
         path = plot_recurrence({type(self.method).__name__: per_rec}, artifact_path(self.trainer, "tta_recurrence.png"),
                                per_domain={type(self.method).__name__: per_domain})
         log_image(self.trainer, "tta/recurrence", path)
+
+
+def _model_digest(model: nn.Module) -> str:
+    """One digest of every tensor of a model's state dict (names included)."""
+    import hashlib
+
+    from lowrank_lit.artifacts import tensor_digest
+
+    text = "".join(f"{k}={tensor_digest(v)};" for k, v in model.state_dict().items())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _cycle(make: Any) -> Any:
