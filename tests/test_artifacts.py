@@ -305,3 +305,42 @@ def test_soft_prompt_peft_export_loads_as_peft_prompt_tuning(tmp_path, capsys):
     assert _cli("export", "--ckpt_path", tmp_path / "runs" / "capt" / "templated_capt" / "c" / "checkpoints" / "last.ckpt",
                 "--out", tmp_path / "c", "--format", "peft") == 2
     assert "CapsulePrompt has no peft type" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+# ------------------------------------------------------------------------------ adapters-only checkpoints
+def test_trained_only_checkpoints_leave_the_frozen_weights_out_and_check_them_on_loading(tmp_path):
+    import lightning.pytorch as pl
+    from torch import nn
+
+    from lowrank_lit.callbacks import TrainedOnly
+    from lowrank_lit.checkpoint import load_checkpoint
+    from tests.helpers import quiet_trainer
+
+    class Frozen(pl.LightningModule):
+        def __init__(self, seed: int = 0) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            self.base = nn.Linear(16, 16).requires_grad_(False)  # (a big frozen base)
+            self.head = nn.Linear(16, 2)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.head(self.base(x)), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randint(0, 2, (32,))),
+                                       batch_size=8)
+    ckpt = tmp_path / "last.ckpt"
+    trainer = quiet_trainer(max_steps=3, callbacks=[TrainedOnly()])
+    trainer.fit(Frozen(), data)
+    trainer.save_checkpoint(ckpt)
+    saved = load_checkpoint(ckpt)
+    assert set(saved["state_dict"]) == {"head.weight", "head.bias"} and set(saved["frozen_omitted"]) == {
+        "base.weight", "base.bias"}
+    resumed = Frozen()
+    quiet_trainer(max_steps=5, callbacks=[TrainedOnly()]).fit(resumed, data, ckpt_path=str(ckpt))  # same base: fine
+    assert resumed.global_step == 5
+    with pytest.raises(ValueError, match="frozen weight 'base.bias' differs"):  # another base (seed 1)
+        quiet_trainer(max_steps=5, callbacks=[TrainedOnly()]).fit(Frozen(seed=1), data, ckpt_path=str(ckpt))
