@@ -182,5 +182,6 @@ Machine: {machine}; {minutes:.1f} min{quick}.
 _PAGE_TAIL = """
 A row that is not met is explained, with measurements, on its method's page (`docs/methods/<slug>.md`).
 `lowrank bench SLUG` runs one method's rows; `--quick` is the smoke run that CI makes (no timing asserted);
-`--device cuda` runs the same benchmarks on a GPU.
+`--device cuda` runs the same benchmarks on a GPU. Rows against a peer library that is not a dependency (galore-torch's
+GaLoreAdamW) appear when the benchmark extra is installed: `pip install -e ".[bench]"`.
 """
