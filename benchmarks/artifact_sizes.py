@@ -44,15 +44,10 @@ def size(path: Path) -> int:
 
 
 def model_bytes(config: Path) -> int:
+    from lowrank_lit.bench import tensor_bytes
     from lowrank_lit.launch.build import build_from_config
 
-    model = build_from_config(config, data=False, callbacks=False, quiet=True).model
-    seen, total = set(), 0
-    for t in model.state_dict().values():
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    return tensor_bytes(build_from_config(config, data=False, callbacks=False, quiet=True).model)
 
 
 def mib(n: int) -> str:
@@ -60,7 +55,7 @@ def mib(n: int) -> str:
 
 
 def main() -> None:
-    work = output_path("work")
+    work = output_path("work").resolve()
     work.mkdir()
     (work / "configs").symlink_to(ROOT / "configs")
     print("| example | format | artifact | / last.ckpt | / model weights | last.ckpt | model weights |")

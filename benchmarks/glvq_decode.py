@@ -47,9 +47,19 @@ def main() -> None:
     parser.add_argument("--serve-bits", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 256, 2048])
     parser.add_argument("--tile-groups", type=int, default=4)
+    parser.add_argument("--serve-only", action="store_true",
+                        help="only the serving table (random codes: a GLVQ calibration of a 4096 x 4096 layer is slow)")
     args = parser.parse_args()
     torch.manual_seed(0)
     lin = nn.Linear(args.inp, args.out)
+    if args.serve_only:
+        q = GLVQLinear(args.inp, args.out, args.group_size, args.dim)
+        q.set_codes(torch.zeros_like(q.codes), args.bits)  # replaced per bit width below
+        with torch.no_grad():
+            q.G.copy_(torch.linalg.qr(torch.randn(q.G.shape[0], args.dim, args.dim))[0] * 0.01)
+            q.bias.copy_(lin.bias)
+        serve(args, q, lin)
+        return
     X = torch.randn(256, args.inp)
     q, _ = quantize_linear(lin, X, args.bits, args.group_size, args.dim, "glvq", steps=5)
     W = lin.weight.detach()
@@ -110,7 +120,7 @@ def serve(args: argparse.Namespace, q: GLVQLinear, lin: nn.Linear) -> None:
     for bits in args.serve_bits:
         cached = GLVQLinear(args.inp, args.out, args.group_size, args.dim)
         cached.load_state_dict(q.state_dict())
-        if bits != args.bits:
+        if bits != args.bits or args.serve_only:
             cached.set_codes(torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), cached.codes.shape, generator=g)
                              .to(torch.int8), bits)
         compact = GLVQLinear(args.inp, args.out, args.group_size, args.dim, compact=True, tile_groups=args.tile_groups)

@@ -15,6 +15,7 @@ and a few of ours, which do not import Lightning until they need it::
     lowrank summarize SLUG RUN_ROOT    a method's result table from its runs
     lowrank convert vmamba --src S --out O   official VMamba weights -> this implementation's names
     lowrank estimate --config C.yaml   memory per GPU at full size (meta device: no memory, no weights read)
+    lowrank matrix --config B.yaml --grid G.yaml   the cross product of config fragments, one table
     lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf]   only what a run trained
     lowrank load DIR [--out FILE.ckpt] an exported artifact applied onto its checked base
 
@@ -60,6 +61,7 @@ lowrank_lit commands:
   submit     write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4
   summarize  a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]
   bench      every method's cost as a ratio to its baseline: lowrank bench [<slug>...] [--quick] [--device cuda]
+  matrix     a grid of config fragments x seeds, one table: lowrank matrix --config BASE.yaml --grid GRID.yaml
   export     only what a run trained: lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR [--format peft|hf]
   load       an exported artifact onto its checked base: lowrank load DIR [--out FILE.ckpt]
 
@@ -177,6 +179,13 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return bench_main(list(argv))
 
 
+def cmd_matrix(argv: Sequence[str]) -> int:
+    """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--jobs N]``: a grid of components, one table."""
+    from lowrank_lit.launch.matrix import main as matrix_main
+
+    return matrix_main(list(argv))
+
+
 def cmd_export(argv: Sequence[str]) -> int:
     """``lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf]``: only what a run trained."""
     from lowrank_lit.launch.export import main_export
@@ -231,7 +240,7 @@ def cmd_estimate(argv: Sequence[str]) -> int:
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize, "bench": cmd_bench,
-    "export": cmd_export, "load": cmd_load,
+    "export": cmd_export, "load": cmd_load, "matrix": cmd_matrix,
     "convert": cmd_convert,
     "estimate": cmd_estimate,
 }

@@ -27,12 +27,9 @@ def _cli(*args) -> int:
 
 
 def _state_bytes(module: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for t in module.state_dict().values():
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += t.numel() * t.element_size()
-    return total
+    from lowrank_lit.bench import tensor_bytes
+
+    return tensor_bytes(module)  # every distinct parameter and buffer
 
 
 # ------------------------------------------------------------------------------------------ the format itself

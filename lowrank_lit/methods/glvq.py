@@ -429,9 +429,15 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The first ``count`` codes of :func:`pack_codes` output, as int8 ``(count,)``."""
     _check_bits(bits)
-    by = packed.reshape(-1, bits).to(torch.int64)  # (words, b)
-    word = (by << (torch.arange(bits, device=by.device) * 8)).sum(1)  # (words,)
-    u = (word.unsqueeze(1) >> (torch.arange(8, device=by.device) * bits)) & ((1 << bits) - 1)  # (words, 8)
+    if 8 % bits == 0:  # 1, 2, 4, 8 bits: whole codes per byte, unpacked in uint8 (8x less memory traffic)
+        per = 8 // bits
+        shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+        u = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)  # (bytes, 8 / b): code k of byte j at bits b k
+        return (u.reshape(-1)[:count].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+    wide = torch.int32 if bits <= 3 else torch.int64  # an 8 b-bit word fits (int32: half the memory traffic)
+    by = packed.reshape(-1, bits).to(wide)  # (words, b)
+    word = (by << (torch.arange(bits, device=by.device, dtype=wide) * 8)).sum(1, dtype=wide)  # (words,)
+    u = (word.unsqueeze(1) >> (torch.arange(8, device=by.device, dtype=wide) * bits)) & ((1 << bits) - 1)  # (words, 8)
     return (u.reshape(-1)[:count] - (1 << (bits - 1))).to(torch.int8)
 
 

@@ -1,0 +1,91 @@
+"""`lowrank matrix`: the cross product of config fragments over seeds, run as a grid sweep, one table."""
+
+from __future__ import annotations
+
+import csv
+import shlex
+
+import pytest
+import yaml
+
+from lowrank_lit.launch.matrix import GridError, cell_name, load_grid, merge_fragments
+from tests.helpers import ROOT
+
+BASE = str(ROOT / "configs" / "baseline" / "mlp_digits.yaml")
+FAST = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1",
+        "--trainer.limit_test_batches=2"]
+
+
+def _grid(tmp_path, axes, seeds=(0,), metrics=("test/acc",)):
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump({"metrics": list(metrics), "seeds": list(seeds), "axes": axes}, sort_keys=False))
+    return path
+
+
+def test_cells_are_the_cross_product_named_by_axis_and_component(tmp_path):
+    grid = load_grid(_grid(tmp_path, {"opt": {"adam": {}, "sgd": {"model.init_args.optimizer.class_path": "torch.optim.SGD"}},
+                                      "width": {"w8": {}, "w16": {}, "w32": {}}}))
+    cells = grid.cells()
+    assert len(cells) == 6 and cell_name(cells[0]) == "opt.adam__width.w8" and cell_name(cells[-1]) == "opt.sgd__width.w32"
+    assert grid.axes["opt"]["sgd"] == {"model": {"init_args": {"optimizer": {"class_path": "torch.optim.SGD"}}}}
+
+
+def test_fragments_merge_in_order_and_callback_lists_add_up():
+    a = {"trainer": {"callbacks+": [{"class_path": "A"}], "max_epochs": 2}, "model": {"init_args": {"lr": 1}}}
+    b = {"trainer": {"callbacks+": [{"class_path": "B"}]}, "model": {"init_args": {"lr": 2, "wd": 0}}}
+    assert merge_fragments([a, b]) == {"trainer": {"callbacks+": [{"class_path": "A"}, {"class_path": "B"}], "max_epochs": 2},
+                                       "model": {"init_args": {"lr": 2, "wd": 0}}}
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    ({"axes": {}}, "axes must map"), ({"axes": {"a": {"x": {}}}, "metrics": []}, "metrics must be"),
+    ({"axes": {"a": {"x y": {}}}, "metrics": ["m"]}, "names are letters"),
+    ({"axes": {"a": {"x": "nope.yaml"}}, "metrics": ["m"]}, "fragment file 'nope.yaml' does not exist"),
+    ({"axes": {"a": {"x": {}}}, "metrics": ["m"], "goal": "up"}, "goal='up'; allowed: minimize, maximize"),
+])
+def test_a_bad_grid_file_is_named(tmp_path, bad, match):
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(GridError, match=match):
+        load_grid(path)
+
+
+def test_matrix_runs_skips_finished_cells_names_incompatible_pairs_and_reproduces_a_cell(tmp_path, monkeypatch, capsys):
+    from lowrank_lit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    # SGD alone builds, betas alone build (Adam has them), together they do not: the pair is named before training
+    grid = _grid(tmp_path, {"opt": {"adam": {}, "sgd": {"model.init_args.optimizer": {"class_path": "torch.optim.SGD",
+                                                                                      "init_args": {"lr": 0.1}}}},
+                            "betas": {"default": {}, "slow": {"model.init_args.optimizer.init_args.betas": [0.5, 0.9]}}},
+                 metrics=("test/acc", "val/loss"))
+    assert main(["matrix", "--config", BASE, "--grid", str(grid), "--root", "m", *FAST]) == 0
+    out, err = capsys.readouterr()
+    assert "opt.sgd__betas.slow: incompatible: opt=sgd and betas=slow do not fit together" in err
+    assert "4 cells x 1 seeds: 3 cells build, 1 incompatible" in out
+    runs = sorted(p.parent for p in (tmp_path / "m").rglob("metrics.csv"))
+    assert len(runs) == 3  # one run folder per runnable cell, under the matrix root
+    rows = list(csv.DictReader((tmp_path / "m" / "matrix.csv").open()))
+    assert [(r["opt"], r["betas"], r["status"]) for r in rows] == [
+        ("adam", "default", "done"), ("adam", "slow", "done"), ("sgd", "default", "done"), ("sgd", "slow", "incompatible")]
+    assert (tmp_path / "m" / "matrix_test_acc.png").is_file() and (tmp_path / "m" / "matrix_val_loss.png").is_file()
+
+    # the same command again runs nothing new
+    assert main(["matrix", "--config", BASE, "--grid", str(grid), "--root", "m", *FAST]) == 0
+    assert sorted(p.parent for p in (tmp_path / "m").rglob("metrics.csv")) == runs
+    again = list(csv.DictReader((tmp_path / "m" / "matrix.csv").open()))
+    assert [r["test/acc"] for r in again] == [r["test/acc"] for r in rows]
+
+    # a cell's command reproduces its numbers bit for bit (into another root)
+    command = shlex.split(rows[1]["command"])
+    assert command[:2] == ["lowrank", "fit"] and "--seed_everything=0" in command
+    root = command.index("--run_root")
+    command[root + 1] = "again"
+    assert main(command[1:]) == 0
+    (rerun,) = list((tmp_path / "again").rglob("metrics.csv"))
+    (first,) = [r / "metrics.csv" for r in runs if "opt.adam__betas.slow" in str(r)]
+    from lowrank_lit.report import last_values
+
+    assert last_values(rerun)["test/acc"] == last_values(first)["test/acc"] == float(rows[1]["test/acc"])
+    assert last_values(rerun)["val/loss"] == last_values(first)["val/loss"]
