@@ -16,12 +16,13 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lowrank_lit.optim import WarmupCosineLR
+from lowrank_lit.optim import WarmupCosineLR, matrix_param_groups
 from lowrank_lit.registry import register_method
 
 __all__ = ["ImageClassifier"]
 
 _INTERVALS = ("epoch", "step")
+_GROUPS = ("all", "matrices")
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -40,6 +41,9 @@ class ImageClassifier(pl.LightningModule):
         scheduler_interval: when the scheduler steps, ``epoch`` or ``step``. Default: ``epoch``.
         label_smoothing: cross-entropy label smoothing in [0, 1). Default: 0.0.
         compile: wrap the backbone with ``torch.compile``. Default: False.
+        param_groups: ``all`` (one group) or ``matrices``: the weight matrices and the rest in two groups
+            (:func:`lowrank_lit.optim.matrix_param_groups`), which LowRankAdam and NanoAdam need (they compress the
+            matrices only); torch optimizers treat the two groups alike. Default: ``all``.
     """
 
     def __init__(
@@ -51,12 +55,15 @@ class ImageClassifier(pl.LightningModule):
         scheduler_interval: str = "epoch",
         label_smoothing: float = 0.0,
         compile: bool = False,
+        param_groups: str = "all",
     ) -> None:
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"ImageClassifier: num_classes={num_classes}; allowed: an integer >= 2")
         if scheduler_interval not in _INTERVALS:
             raise ValueError(f"ImageClassifier: scheduler_interval={scheduler_interval!r}; allowed: epoch, step")
+        if param_groups not in _GROUPS:
+            raise ValueError(f"ImageClassifier: param_groups={param_groups!r}; allowed: {', '.join(_GROUPS)}")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"ImageClassifier: label_smoothing={label_smoothing!r}; allowed: a float in [0, 1)")
         # the resolved run config is logged once by the CLI; logger=False avoids a flat duplicate
@@ -67,6 +74,7 @@ class ImageClassifier(pl.LightningModule):
         self.scheduler_factory = lr_scheduler
         self.scheduler_interval = scheduler_interval
         self.label_smoothing = label_smoothing
+        self.param_groups = param_groups
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -102,7 +110,10 @@ class ImageClassifier(pl.LightningModule):
         return self(batch[0]).argmax(dim=-1)  # (B,)
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
+        if self.param_groups == "matrices":
+            optimizer = self.optimizer_factory(matrix_param_groups(self))
+        else:
+            optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
