@@ -187,7 +187,12 @@ def _builds(base: str, fragment_files: Sequence[Path], verb: str) -> str | None:
 
     overrides = [a for f in fragment_files for a in ("--config", str(f))]
     try:
-        build_from_config(base, overrides, verb, quiet=True)
+        built = build_from_config(base, overrides, verb, quiet=True)
+        try:  # the optimizer sees the parameters (a rank larger than a matrix, a group it cannot take)
+            built.model.configure_optimizers()
+        except RuntimeError as exc:
+            if "trainer" not in str(exc).lower():  # needs the trainer (e.g. a scheduler's step count): not checkable
+                raise
     except BaseException as exc:  # jsonargparse exits on bad configs; any constructor may raise
         if isinstance(exc, KeyboardInterrupt):
             raise

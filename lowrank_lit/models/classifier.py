@@ -44,6 +44,8 @@ class ImageClassifier(pl.LightningModule):
         param_groups: ``all`` (one group) or ``matrices``: the weight matrices and the rest in two groups
             (:func:`lowrank_lit.optim.matrix_param_groups`), which LowRankAdam and NanoAdam need (they compress the
             matrices only); torch optimizers treat the two groups alike. Default: ``all``.
+        dense_params: with ``param_groups: matrices``, name patterns of matrices kept in the dense group (e.g. the
+            output layer ``backbone.net.4.*``). Default: none.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class ImageClassifier(pl.LightningModule):
         label_smoothing: float = 0.0,
         compile: bool = False,
         param_groups: str = "all",
+        dense_params: list[str] | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -75,6 +78,7 @@ class ImageClassifier(pl.LightningModule):
         self.scheduler_interval = scheduler_interval
         self.label_smoothing = label_smoothing
         self.param_groups = param_groups
+        self.dense_params = list(dense_params or [])
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -111,7 +115,7 @@ class ImageClassifier(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         if self.param_groups == "matrices":
-            optimizer = self.optimizer_factory(matrix_param_groups(self))
+            optimizer = self.optimizer_factory(matrix_param_groups(self, dense=self.dense_params))
         else:
             optimizer = self.optimizer_factory(self.parameters())
         if self.scheduler_factory is None:
