@@ -89,3 +89,15 @@ def test_matrix_runs_skips_finished_cells_names_incompatible_pairs_and_reproduce
 
     assert last_values(rerun)["test/acc"] == last_values(first)["test/acc"] == float(rows[1]["test/acc"])
     assert last_values(rerun)["val/loss"] == last_values(first)["val/loss"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "grids").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_grid_file_builds_every_cell(path, tmp_path, monkeypatch):
+    """A shipped grid has its base config, and every cell builds (model, data, callbacks, optimizer)."""
+    from lowrank_lit.launch.matrix import check_cells, prepare
+
+    monkeypatch.chdir(ROOT)
+    grid = load_grid(path)
+    assert grid.config and (ROOT / grid.config).is_file()
+    files = prepare(grid, grid.config, tmp_path, path.stem)
+    assert check_cells(grid, grid.config, tmp_path, files) == {}

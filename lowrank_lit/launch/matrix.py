@@ -341,9 +341,13 @@ def plot_heatmaps(grid: Grid, rows: list[dict[str, Any]], root: Path) -> list[Pa
         ax.set_yticks(range(len(ylabels)), ylabels)
         ax.set_xlabel(" x ".join(rest) or "-")
         ax.set_ylabel(first)
+        finite = [v for row in table for v in row if v == v]
+        lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
         for i, row in enumerate(table):
             for j, v in enumerate(row):
-                ax.text(j, i, "x" if v != v else f"{v:.3f}", ha="center", va="center", color="w", fontsize=8)
+                bright = v == v and hi > lo and (v - lo) / (hi - lo) > 0.6  # dark text on the light end of viridis
+                ax.text(j, i, "x" if v != v else f"{v:.3f}", ha="center", va="center", color="k" if bright else "w",
+                        fontsize=8)
         fig.colorbar(im, ax=ax, label=metric)
         ax.set_title(f"{grid.path.stem}: {metric} (mean over seeds; x: incompatible or not run)")
         path = root / f"matrix_{metric.replace('/', '_')}.png"
