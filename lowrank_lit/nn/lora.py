@@ -29,7 +29,7 @@ from lowrank_lit.nn.targets import match_modules, replace_module
 
 __all__ = [
     "LoRALinear", "AsymmetricLoRALinear", "inject_adapters", "mark_only_adapters_trainable", "dycompensate",
-    "ROUTER_INPUTS", "MODES",
+    "ROUTER_INPUTS", "MODES", "is_linear_like",
 ]
 
 ROUTER_INPUTS = ("lowrank", "input")
@@ -42,8 +42,19 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def is_linear_like(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or a layer that computes one from a stored form (a quantized layer such as ``GLVQLinear``:
+    integer ``in_features`` / ``out_features`` and ``(..., in) -> (..., out)``), which an adapter can wrap."""
+    return isinstance(module, nn.Linear) or (isinstance(getattr(module, "in_features", None), int)
+                                             and isinstance(getattr(module, "out_features", None), int)
+                                             and not isinstance(module, (LoRALinear, AsymmetricLoRALinear)))
+
+
 class LoRALinear(nn.Module):
-    """``W0 x + (alpha / r) B A x`` around a frozen ``nn.Linear``.
+    """``W0 x + (alpha / r) B A x`` around a frozen ``nn.Linear`` (or a Linear-like quantized layer, see
+    :func:`is_linear_like`: its codes stay frozen, the adapter trains in float on top; ``merge`` needs a float
+    ``nn.Linear``, a quantized base is merged by dequantizing and quantizing again, e.g.
+    :func:`lowrank_lit.methods.glvq.merge_requantize`).
 
     Args:
         base: the layer to adapt (its parameters are frozen).
@@ -54,7 +65,8 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Linear, r: int = 8, alpha: float = 16.0, dropout: float = 0.0) -> None:
         super().__init__()
-        _check(isinstance(base, nn.Linear), f"LoRALinear: base is a {type(base).__name__}; allowed: nn.Linear")
+        _check(is_linear_like(base), f"LoRALinear: base is a {type(base).__name__}; allowed: nn.Linear or a "
+               "Linear-like quantized layer (in_features, out_features)")
         _check(1 <= r <= min(base.in_features, base.out_features),
                f"LoRALinear: r={r}; allowed: 1 <= r <= min(in, out) = {min(base.in_features, base.out_features)}")
         self.base, self.r, self.scaling = base, r, alpha / r
@@ -77,6 +89,9 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def merge(self) -> None:
         """Fold ``(alpha / r) B A`` into the base weight (inference; no extra matmuls)."""
+        if not isinstance(self.base, nn.Linear):
+            raise ValueError(f"LoRALinear.merge: the base is a {type(self.base).__name__}, which has no float weight "
+                             "to fold into; dequantize, add delta_weight() and quantize again (glvq.merge_requantize)")
         if not self.merged:
             self.base.weight += self.delta_weight().to(self.base.weight.dtype)
             self.merged = True
@@ -115,7 +130,8 @@ class AsymmetricLoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, r: int = 4, n_experts: int = 3, n_poison: int = 1, router_in: str = "lowrank",
                  alpha: float = 8.0, compensate_k: int | None = None, compensate_beta: float = 1.0) -> None:
         super().__init__()
-        _check(isinstance(base, nn.Linear), f"AsymmetricLoRALinear: base is a {type(base).__name__}; allowed: nn.Linear")
+        _check(is_linear_like(base), f"AsymmetricLoRALinear: base is a {type(base).__name__}; allowed: nn.Linear or a "
+               "Linear-like quantized layer (in_features, out_features)")
         _check(1 <= r <= min(base.in_features, base.out_features),
                f"AsymmetricLoRALinear: r={r}; allowed: 1 <= r <= min(in, out) = {min(base.in_features, base.out_features)}")
         _check(n_experts >= 1, f"AsymmetricLoRALinear: n_experts={n_experts}; allowed: an integer >= 1")
@@ -214,7 +230,8 @@ def dycompensate(weights: torch.Tensor, expert_outputs: torch.Tensor, poison_idx
 
 def inject_adapters(model: nn.Module, targets: Sequence[str], factory: Callable[[nn.Linear], nn.Module],
                     owner: str = "inject_adapters") -> list[str]:
-    """Replace every ``nn.Linear`` of ``model`` whose name matches ``targets`` by ``factory(linear)``.
+    """Replace every ``nn.Linear`` (or Linear-like quantized layer) of ``model`` whose name matches ``targets`` by
+    ``factory(linear)``.
 
     Patterns follow :func:`lowrank_lit.nn.targets.match_modules` (``"*.query"``, ``"encoder.layer.*.attention.self.value"``).
 
@@ -228,8 +245,9 @@ def inject_adapters(model: nn.Module, targets: Sequence[str], factory: Callable[
     for m in match_modules(model, targets, owner=owner):
         if isinstance(m.module, (LoRALinear, AsymmetricLoRALinear)):
             continue  # already adapted (two patterns, one layer)
-        if not isinstance(m.module, nn.Linear):
-            raise ValueError(f"{owner}: {m.name!r} is a {type(m.module).__name__}; adapters wrap nn.Linear layers only")
+        if not is_linear_like(m.module):
+            raise ValueError(f"{owner}: {m.name!r} is a {type(m.module).__name__}; adapters wrap nn.Linear layers "
+                             "(and Linear-like quantized layers) only")
         replace_module(model, m.name, factory(m.module))
         names.append(m.name)
     return names
