@@ -92,3 +92,17 @@ def test_compress_adapt_merge_on_the_digits_mlp(tmp_path):
     assert mean("glvq", "acc_adapted") >= mean("glvq", "acc_quantized") + 0.01
     assert mean("glvq", "acc_adapted") >= mean("glvq", "acc_fp") - 0.01
     assert abs(mean("glvq", "acc_adapted") - mean("glvq", "acc_merged")) <= 0.01
+
+
+def test_reservoir_around_trust_runs_and_opens_a_copy_per_corruption(tmp_path):
+    """configs/compose/reservoir_trust.yaml on random source weights: the reservoir wraps TRUST, routes, and saves its
+    stream state (TRUST's traversal order inside each copy's state)."""
+    assert run_cli("test", "--config", ROOT / "configs" / "compose" / "reservoir_trust.yaml",
+                   "--model.init_args.source_ckpt=null", "--model.init_args.method.init_args.n_source_styles=50",
+                   "--trainer.limit_test_batches=14", "--run_id", "r", run_root=tmp_path) == 0
+    run = tmp_path / "compose" / "reservoir_trust" / "r"
+    from lowrank_lit.report import last_values
+
+    values = last_values(run / "metrics.csv")
+    assert values["test/models"] >= 2 and 0.0 <= values["test/error"] <= 1.0
+    assert (run / "stream_state" / "state.safetensors").is_file()
