@@ -11,7 +11,24 @@ import torch
 __all__ = [
     "check_symmetric", "is_sparse", "max_noise_std", "smallest_eigenpairs", "spd_tail", "spectral_norm_sym",
     "symmetric_noise", "to_scipy_sparse", "eagle_solve", "gd_solve", "nystrom_target", "iterations_to",
+    "entropy_rank", "stable_rank",
 ]
+
+
+def entropy_rank(sigma: torch.Tensor) -> float:
+    """Effective rank of singular values ``sigma`` (Roy and Vetterli): ``exp(-sum p_i log p_i)``, ``p = sigma / sum
+    sigma``; between 1 (one direction) and the number of nonzero values (a flat spectrum); 0 for a zero matrix."""
+    total = sigma.sum()
+    if float(total) <= 0:
+        return 0.0
+    p = sigma / total
+    return float(torch.exp(-(p * torch.log(p.clamp_min(1e-12))).sum()))
+
+
+def stable_rank(sigma: torch.Tensor) -> float:
+    """``||W||_F^2 / ||W||_2^2 = sum sigma_i^2 / sigma_max^2`` (0 for a zero matrix)."""
+    top = float(sigma.max()) if sigma.numel() else 0.0
+    return float(sigma.pow(2).sum()) / top**2 if top > 0 else 0.0
 
 
 def check_symmetric(A: torch.Tensor, name: str = "A", rtol: float = 1e-10) -> torch.Tensor:
