@@ -28,8 +28,9 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
 
 
 class StepCost(Callback):
-    """Logs ``cost/step_s`` (median wall time of a batch after ``skip`` warm-up batches) and ``cost/peak_mem_mb``
-    (:func:`peak_memory_mb`) when the stage ends.
+    """Logs ``cost/step_s`` (median wall time of a batch after ``skip`` warm-up batches), ``cost/peak_mem_mb``
+    (:func:`peak_memory_mb`) and, for training, ``cost/optimizer_state_mb`` (the tensors the optimizers hold) when
+    the stage ends.
 
     A training batch is timed from its start to the end of its optimizer step; a test batch from its start to its
     end (for TTA methods: the adaptation and the prediction). On a CUDA device the queued kernels are waited for
@@ -74,6 +75,10 @@ class StepCost(Callback):
 
     def _log(self, trainer: Trainer, pl_module: LightningModule) -> None:
         values = {"cost/peak_mem_mb": peak_memory_mb(pl_module.device)}
+        if self.stage == "train" and trainer.optimizers:  # moments, masks, projectors: what a lean optimizer saves
+            values["cost/optimizer_state_mb"] = sum(
+                v.numel() * v.element_size() for opt in trainer.optimizers for st in opt.state.values()
+                for v in st.values() if isinstance(v, torch.Tensor)) / 2**20
         if self.times:
             values["cost/step_s"] = statistics.median(self.times)
         for logger in trainer.loggers:

@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -466,6 +467,9 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         train_backbone: full fine-tuning: every backbone weight trains (at ``lr_backbone``); the checkpoint then
             holds the whole backbone. Default: False.
         lr_backbone: AdamW learning rate of the backbone weights with ``train_backbone``. Default: 1e-4.
+        optimizer: an optimizer factory given the param groups above (each with its ``lr``; adapter and backbone
+            groups tagged ``nano=True``, head and prompt ``nano=False``), e.g. ``lowrank_lit.methods.nanoadam.NanoAdam``
+            to update a sparse share of each adapter matrix. Default: None (AdamW with ``weight_decay``).
     """
 
     #: ``f(embeds, mask) -> embeds`` applied to the word embeddings in training (set by e.g. LoPE's stage callback).
@@ -493,6 +497,7 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         peft: dict[str, Any] | None = None,
         train_backbone: bool = False,
         lr_backbone: float = 1e-4,
+        optimizer: OptimizerCallable | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -500,7 +505,7 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         for arg, value in (("lr_prompt", lr_prompt), ("lr_head", lr_head), ("lr_backbone", lr_backbone)):
             if not value > 0:
                 raise ValueError(f"PromptTunedClassifier: {arg}={value}; allowed: a float > 0")
-        self.save_hyperparameters(ignore=["prompt"], logger=False)
+        self.save_hyperparameters(ignore=["prompt", "optimizer"], logger=False)
         model, self.pretrained = load_backbone(backbone, num_layers, allow_random_init=allow_random_init)
         if not backbone_dropout:
             disable_dropout(model)
@@ -518,6 +523,7 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
                 if not is_adapter_name(name):
                     p.requires_grad_(True)
         self.lr_adapter = lr_adapter
+        self.optimizer_factory = optimizer
         self.encoder = PromptedBackbone(model, prompt, strict_frozen=strict_frozen and not train_backbone)
         self._frozen_owner = "encoder"
         self.encoder.init_prompt_from_text(backbone)
@@ -664,14 +670,18 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         groups = [{"params": list(self.head.parameters()), "lr": self.lr_head}]
         adapters = self.adapter_parameters()  # all of them: a frozen one gets no grad and AdamW leaves it untouched
         if adapters:
-            groups.append({"params": adapters, "lr": self.lr_adapter})
+            groups.append({"params": adapters, "lr": self.lr_adapter, "nano": True})
         if self.train_backbone:
             backbone = [p for n, p in self.encoder.backbone.named_parameters() if not is_adapter_name(n)]
-            groups.append({"params": backbone, "lr": self.lr_backbone})
+            groups.append({"params": backbone, "lr": self.lr_backbone, "nano": True})
         if self.prompt is not None:
             params = [p for p in self.prompt.parameters() if p.requires_grad]
             if params:
                 groups.append({"params": params, "lr": self.lr_prompt})
+        if self.optimizer_factory is not None:  # e.g. NanoAdam on the adapters: it masks the nano=True groups only
+            for g in groups:
+                g.setdefault("nano", False)
+            return self.optimizer_factory(groups)
         return torch.optim.AdamW(groups, weight_decay=self.weight_decay)
 
 
