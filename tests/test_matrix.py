@@ -101,3 +101,20 @@ def test_every_grid_file_builds_every_cell(path, tmp_path, monkeypatch):
     assert grid.config and (ROOT / grid.config).is_file()
     files = prepare(grid, grid.config, tmp_path, path.stem)
     assert check_cells(grid, grid.config, tmp_path, files) == {}
+
+
+def test_check_builds_the_cells_and_names_the_slurm_array_command(tmp_path, monkeypatch, capsys):
+    from lowrank_lit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    grid = _grid(tmp_path, {"opt": {"adam": {}, "sgd": {"model.init_args.optimizer": {"class_path": "torch.optim.SGD",
+                                                                                      "init_args": {"lr": 0.1}}}}})
+    assert main(["matrix", "--config", BASE, "--grid", str(grid), "--root", "m", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "2 cells x 1 seeds: 2 cells build, 0 incompatible" in out and not list((tmp_path / "m").rglob("metrics.csv"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("on SLURM"))
+    submit = shlex.split(line.split(": ", 1)[1].split(";")[0])
+    submit[submit.index("--array") + 1] = "2"
+    assert main([*submit[1:], "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --array=0-1" in script and "--run-root m" in script and "--storage m/matrix.journal" in script

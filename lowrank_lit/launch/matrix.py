@@ -386,10 +386,14 @@ def main(argv: Sequence[str]) -> int:
         print(f"lowrank matrix: {cell}: incompatible: {why}", file=sys.stderr)
     runnable = len(files) - len(bad)
     print(f"{len(files)} cells x {len(grid.seeds)} seeds: {runnable} cells build, {len(bad)} incompatible", flush=True)
+    if runnable:
+        sweep = sweep_file(grid, base, root, files, set(bad))
+        submit = ["lowrank", "submit", "--sweep", str(sweep), "--array", "K", "--storage", str(root / "matrix.journal"),
+                  "--study-name", name, "--run-root", str(root), *extra]
+        print(f"on SLURM, K workers: {shlex.join(submit)}; then this command again writes the table")
     if opts.check:
         return 0 if not bad else 1
     if runnable:
-        sweep = sweep_file(grid, base, root, files, set(bad))
         cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(sweep), "--run-root", str(root), "--no-wandb",
                "--storage", str(root / "matrix.journal"), "--study-name", name, *extra]
         if opts.limit is not None:

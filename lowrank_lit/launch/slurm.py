@@ -55,6 +55,7 @@ def render_script(
     study_name: str | None = None,
     trials_per_task: int | None = None,
     accelerator: str = "gpu",
+    run_root: str | None = None,
 ) -> str:
     """The sbatch script text (see the module docstring). ``accelerator="cpu"`` asks for no GPU (no ``--gres``) and
     runs ``gpus_per_node`` CPU processes per node."""
@@ -80,6 +81,8 @@ def render_script(
                study_name or Path(sweep).stem]
         if trials_per_task:
             cmd += ["--n-trials", str(trials_per_task)]
+        if run_root:  # the trials' run folders (and the sweep's table) under the same root as the storage
+            cmd += ["--run-root", run_root]
         # srun makes the worker a job step: SLURM's signals (the time limit's SIGUSR1) and accounting reach it
         launch = shlex.join(["srun", "--kill-on-bad-exit=1", *cmd]) + ' --seed "$SLURM_ARRAY_TASK_ID"'
         launch += f" --trainer.accelerator={accelerator}"
@@ -187,6 +190,7 @@ def main(argv: list[str]) -> int:
             job_name=opts.job_name or name.replace("/", "-"), log_dir=str(log_dir), storage=storage,
             study_name=opts.study_name or (Path(opts.sweep).stem if opts.sweep else None),
             trials_per_task=opts.trials_per_task, accelerator=accelerator,
+            run_root=opts.run_root if opts.sweep else None,
         )
     except ValueError as exc:
         print(f"{exc}", file=sys.stderr)
