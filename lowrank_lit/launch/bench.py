@@ -67,7 +67,7 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
     cuda = ctx.device.startswith("cuda")
     for _ in range(rounds):
         for name, (model, data, callbacks) in built.items():
-            timer = StepCost(skip=1, stage="train" if spec.verb == "fit" else "test")
+            timer = StepCost(skip=0, stage="train" if spec.verb == "fit" else "test")
             limit = {"max_steps": steps, "limit_val_batches": 0, "num_sanity_val_steps": 0} if spec.verb == "fit" \
                 else {"limit_test_batches": steps}
             trainer = pl.Trainer(accelerator="gpu" if ctx.device.startswith("cuda") else "cpu", devices=1, logger=False,
@@ -84,7 +84,11 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
                 memory[name] = max(memory[name], int(torch.cuda.max_memory_allocated()))
             else:  # the tensors the run holds: weights, buffers and optimizer state
                 memory[name] = tensor_bytes(model, trainer.optimizers)
-            per_round[name].append(statistics.median(timer.times))
+            times = timer.times[1:] or timer.times  # the first batch pays one-off costs, unless it is the only one
+            if not times:
+                raise RuntimeError(f"lowrank bench: {spec.config if name == 'method' else spec.baseline_config} ran no "
+                                   f"{'training step' if spec.verb == 'fit' else 'test batch'}; check its data and limits")
+            per_round[name].append(statistics.median(times))
     ratios = [a / b for a, b in zip(per_round["method"], per_round["baseline"], strict=True)]
     unit = "step" if spec.verb == "fit" else "test batch"
     note = (f"{1e3 * statistics.median(per_round['method']):.1f} vs {1e3 * statistics.median(per_round['baseline']):.1f} "
