@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from lowrank_lit.methods.glvq import GLVQLinear, merge_requantize, quantize_linear
 from lowrank_lit.nn.lora import LoRALinear, inject_adapters, mark_only_adapters_trainable
 from tests.helpers import ROOT, run_cli
 
 
-def _quantized(bits: int = 2) -> tuple[nn.Linear, GLVQLinear, torch.Tensor]:
+def _quantized(bits: int = 2) -> tuple[nn.Linear, nn.Module, torch.Tensor]:
+    from lowrank_lit.methods.glvq import quantize_linear
+
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
     X = torch.randn(256, 64)
@@ -41,6 +42,8 @@ def test_lora_on_a_glvq_base_starts_as_the_quantized_layer_and_keeps_its_codes()
 
 
 def test_merge_requantize_folds_the_adapter_and_quantizes_again():
+    from lowrank_lit.methods.glvq import GLVQLinear, merge_requantize
+
     _, q, X = _quantized(bits=3)
     adapted = LoRALinear(q, r=4, alpha=8.0)
     with torch.no_grad():
