@@ -719,6 +719,26 @@ def _stored_decode(r: GroupResult | None, shape: tuple[int, int]) -> torch.Tenso
 
 
 @register_method("glvq", kind="Callback", paper=PAPER, summary="summary", bench="bench")
+def layer_inputs(module: nn.Module, loader: Any, names: list[str], batches: int) -> dict[str, torch.Tensor]:
+    """The inputs of the named layers of ``module`` on the first ``batches`` ``(x, ...)`` batches of ``loader``
+    (forward hooks, no grad): name -> ``(N, in_features)``, the calibration data of :func:`quantize_linear`."""
+    modules = dict(module.named_modules())
+    inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    hooks = [modules[n].register_forward_hook(lambda mod, inp, out, n=n: inputs[n].append(
+        inp[0].detach().reshape(-1, inp[0].shape[-1]))) for n in names]
+    device = next(module.parameters()).device
+    try:
+        with torch.no_grad():
+            for i, (x, *_rest) in enumerate(loader):
+                if i >= batches:
+                    break
+                module(x.to(device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: torch.cat(v) for n, v in inputs.items()}
+
+
 class GLVQ(pl.Callback):
     """Post-training quantization at the start of ``lowrank test``: calibrate, quantize, evaluate, save.
 
@@ -772,21 +792,11 @@ class GLVQ(pl.Callback):
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         layers = self._layers(pl_module)
-        inputs: dict[str, list[torch.Tensor]] = {n: [] for n, _ in layers}
-        hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: inputs[n].append(inp[0].detach().reshape(-1, inp[0].shape[-1])))
-                 for n, m in layers]
-        dm = trainer.datamodule
-        dm.setup("fit")
-        with torch.no_grad():
-            for i, (x, *_rest) in enumerate(dm.train_dataloader()):
-                if i >= self.calib_batches:
-                    break
-                pl_module(x.to(pl_module.device))
-        for h in hooks:
-            h.remove()
+        trainer.datamodule.setup("fit")
+        X_of = layer_inputs(pl_module, trainer.datamodule.train_dataloader(), [n for n, _ in layers], self.calib_batches)
         self.report = []
         for name, lin in layers:
-            X = torch.cat(inputs[name])
+            X = X_of[name]
             q, rep = quantize_linear(lin, X, self.bits, self.group_size, self.dim, self.method, self.compand, self.sdba, self.steps,
                                      self.init)
             if isinstance(q, GLVQLinear):
@@ -879,18 +889,7 @@ class QuantizeAdaptMerge(pl.Callback):
         self._inputs: dict[str, torch.Tensor] = {}
 
     def _calibrate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[str]) -> dict[str, torch.Tensor]:
-        modules = dict(pl_module.named_modules())
-        inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        hooks = [modules[n].register_forward_hook(lambda mod, inp, out, n=n: inputs[n].append(
-            inp[0].detach().reshape(-1, inp[0].shape[-1]))) for n in names]
-        with torch.no_grad():
-            for i, (x, *_rest) in enumerate(trainer.datamodule.train_dataloader()):
-                if i >= self.calib_batches:
-                    break
-                pl_module(x.to(pl_module.device))
-        for h in hooks:
-            h.remove()
-        return {n: torch.cat(v) for n, v in inputs.items()}
+        return layer_inputs(pl_module, trainer.datamodule.train_dataloader(), names, self.calib_batches)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         from lowrank_lit.checkpoint import load_checkpoint
