@@ -282,13 +282,13 @@ def load_factors(path: str | Path) -> nn.Module:
     return model.eval()
 
 
-def build_base(path: str | Path) -> nn.Module:
-    """The base model of an artifact: its config section built as ``lowrank fit`` builds it (same seed)."""
+def build_base(meta: dict[str, Any]) -> nn.Module:
+    """The base model of an artifact (its ``artifact.json``, :func:`read_artifact`): the config section built as
+    ``lowrank fit`` builds it (same seed)."""
     import lightning.pytorch as pl
 
     from lowrank_lit.launch.build import build_component
 
-    meta, _ = read_artifact(path)
     if meta.get("seed_everything") is not None:
         pl.seed_everything(int(meta["seed_everything"]), verbose=False)
     model = build_component("model", pl.LightningModule, meta["model"])
@@ -301,7 +301,7 @@ def build_base(path: str | Path) -> nn.Module:
 def load_run_artifact(path: str | Path, base: nn.Module | None = None, check_base: bool = True) -> nn.Module:
     """The model of an artifact: ``base`` (default: :func:`build_base`) with the artifact applied (checked)."""
     meta, tensors = read_artifact(path)
-    return apply_artifact(base if base is not None else build_base(path), meta, tensors, check_base=check_base)
+    return apply_artifact(base if base is not None else build_base(meta), meta, tensors, check_base=check_base)
 
 
 def _size(n: int) -> str:
@@ -349,8 +349,8 @@ def main_load(argv: Sequence[str]) -> int:
     if args.out and Path(args.out).exists():
         parser.error(f"--out: {args.out!r} exists; choose a new file")
     try:
-        meta, _ = read_artifact(args.artifact)
-        model = load_run_artifact(args.artifact, check_base=not args.no_check)
+        meta, tensors = read_artifact(args.artifact)  # read once: the base's config and the tensors
+        model = apply_artifact(build_base(meta), meta, tensors, check_base=not args.no_check)
     except (ArtifactError, ValueError) as exc:
         print(f"lowrank load: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
