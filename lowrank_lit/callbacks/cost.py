@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lowrank_lit.bench import tensor_bytes
+
 __all__ = ["StepCost", "peak_memory_mb"]
 
 
@@ -76,9 +78,7 @@ class StepCost(Callback):
     def _log(self, trainer: Trainer, pl_module: LightningModule) -> None:
         values = {"cost/peak_mem_mb": peak_memory_mb(pl_module.device)}
         if self.stage == "train" and trainer.optimizers:  # moments, masks, projectors: what a lean optimizer saves
-            values["cost/optimizer_state_mb"] = sum(
-                v.numel() * v.element_size() for opt in trainer.optimizers for st in opt.state.values()
-                for v in st.values() if isinstance(v, torch.Tensor)) / 2**20
+            values["cost/optimizer_state_mb"] = tensor_bytes(trainer.optimizers) / 2**20
         if self.times:
             values["cost/step_s"] = statistics.median(self.times)
         for logger in trainer.loggers:
