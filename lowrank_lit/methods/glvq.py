@@ -718,7 +718,6 @@ def _stored_decode(r: GroupResult | None, shape: tuple[int, int]) -> torch.Tenso
     return _decode(r.G.float().double(), r.codes.double(), mu, scale, shape).float().double()
 
 
-@register_method("glvq", kind="Callback", paper=PAPER, summary="summary", bench="bench")
 def layer_inputs(module: nn.Module, loader: Any, names: list[str], batches: int) -> dict[str, torch.Tensor]:
     """The inputs of the named layers of ``module`` on the first ``batches`` ``(x, ...)`` batches of ``loader``
     (forward hooks, no grad): name -> ``(N, in_features)``, the calibration data of :func:`quantize_linear`."""
@@ -739,6 +738,7 @@ def layer_inputs(module: nn.Module, loader: Any, names: list[str], batches: int)
     return {n: torch.cat(v) for n, v in inputs.items()}
 
 
+@register_method("glvq", kind="Callback", paper=PAPER, summary="summary", bench="bench")
 class GLVQ(pl.Callback):
     """Post-training quantization at the start of ``lowrank test``: calibrate, quantize, evaluate, save.
 
