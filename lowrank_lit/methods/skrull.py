@@ -477,7 +477,10 @@ class SkrullSFTModule(pl.LightningModule):
     number an all-reduce of the per-rank counts gives), times the DP world size because DDP averages gradients;
     all but the last micro-batch run under DDP's ``no_sync``; so the update equals one step on the whole global
     batch up to floating-point reassociation, whatever the schedule. Logged: ``train/loss`` (mean token loss of
-    the global batch), ``train/micro_batches``, ``train/step_s`` (wall time of the step), ``val/loss``.
+    the global batch), ``train/micro_batches``, ``train/step_s`` (wall time of the step), ``train/tokens_per_s``
+    (this rank's sequence tokens per second of step), ``train/pad_share`` (the share of the positions the model
+    computes that are padding: 0 for a packed model; a model that pads says how much through
+    ``computed_tokens(lengths)``), ``val/loss``.
 
     Args:
         model: the network (``lowrank_lit.nn.context_parallel.PackedCausalLM``).
@@ -514,8 +517,12 @@ class SkrullSFTModule(pl.LightningModule):
         mbs = batch["micro_batches"]
         if not mbs:
             raise RuntimeError(f"SkrullSFTModule: DP rank {self.global_rank} got no sequences; use a global_batch_size >= the DP world size")
-        total = 0.0
+        total, real, computed = 0.0, 0, 0
+        count = getattr(self.model, "computed_tokens", None)  # positions the model runs, padding included
         for i, seqs in enumerate(mbs):
+            lens = [len(q) for q in seqs]
+            real += sum(lens)
+            computed += count(lens) if count is not None else sum(lens)
             with self._no_sync(i == len(mbs) - 1):
                 loss = micro_batch_loss(self.model, seqs, batch["global_targets"])
                 self.manual_backward(loss * world)
@@ -526,7 +533,10 @@ class SkrullSFTModule(pl.LightningModule):
         loss = self.trainer.strategy.reduce(torch.tensor(total), reduce_op="sum")  # the ranks' shares add up
         self.log("train/loss", loss, prog_bar=True, batch_size=1)
         self.log("train/micro_batches", float(len(mbs)), batch_size=1)
-        self.log("train/step_s", time.perf_counter() - start, batch_size=1)  # wall time of the whole global-batch step
+        wall = time.perf_counter() - start
+        self.log("train/step_s", wall, batch_size=1)  # wall time of the whole global-batch step
+        self.log("train/tokens_per_s", real / wall, batch_size=1)  # this rank's sequence tokens (padding not counted)
+        self.log("train/pad_share", 1.0 - real / max(computed, 1), batch_size=1)  # share of computed positions that are padding
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         total = sum(float(micro_batch_loss(self.model, seqs, batch["global_targets"])) for seqs in batch["micro_batches"])
@@ -574,41 +584,50 @@ def plot_plan(lengths: Sequence[int], plans: dict[str, Sequence[MicroBatch]], co
 def summary(roots: list[str], out: str | None = None) -> str:
     """Loss and step time per schedule and length mix of SkrullSFTModule runs.
 
-    Markdown: per schedule and mix (mean over seeds), the final train and validation loss, micro-batches per
-    step and the median step time (the first step excluded); ``out``: bars of the step time and the final
+    Markdown: per model, schedule and mix (mean over seeds), the final train and validation loss, micro-batches per
+    step, the median step time and tokens per second (the first step excluded) and the padding share; ``out``: bars of the step time and the final
     validation loss per schedule and mix."""
     import statistics as st
 
-    by: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    by: dict[tuple[str, str, str], list[tuple[float, ...]]] = {}
     for run in read_runs(roots, "metrics.csv"):
         cfg = run.config
         data = cfg["data"]["init_args"]
-        key = (data["planner"]["init_args"].get("schedule", "skrull"), data.get("mix", "long_tail"))
+        net = (cfg.get("model") or {}).get("init_args", {}).get("model") or {}
+        net_name = str(net.get("class_path", "-")).rsplit(".", 1)[-1] if isinstance(net, dict) else "-"
+        key = (net_name, data["planner"]["init_args"].get("schedule", "skrull"), data.get("mix", "long_tail"))
         rows = run.rows("metrics.csv")
         train = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
         val = [float(r["val/loss"]) for r in rows if r.get("val/loss")]
         steps = [float(r["train/step_s"]) for r in rows if r.get("train/step_s")][1:]
         mbs = [float(r["train/micro_batches"]) for r in rows if r.get("train/micro_batches")]
+        tps = [float(r["train/tokens_per_s"]) for r in rows if r.get("train/tokens_per_s")][1:]
+        pad = [float(r["train/pad_share"]) for r in rows if r.get("train/pad_share")]
         if train and val and steps:
-            by.setdefault(key, []).append((train[-1], val[-1], st.fmean(mbs), st.median(steps)))
-    cells = sorted(by.items(), key=lambda kv: (kv[0][1], SCHEDULES.index(kv[0][0])))
+            by.setdefault(key, []).append((train[-1], val[-1], st.fmean(mbs), st.median(steps),
+                                           st.median(tps) if tps else math.nan, st.fmean(pad) if pad else math.nan))
+    cells = sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][0], SCHEDULES.index(kv[0][1])))
     if not cells:
         raise FileNotFoundError(f"no Skrull run with train/loss, val/loss and train/step_s under {', '.join(roots)}")
-    table = [[sch, mix, len(v), *(f"{st.fmean(x[i] for x in v):.3f}" for i in range(3)), f"{1e3 * st.fmean(x[3] for x in v):.0f}"]
-             for (sch, mix), v in cells]
+    def _fmt(v: float, spec: str) -> str:
+        return "-" if math.isnan(v) else format(v, spec)
+
+    table = [[net, sch, mix, len(v), *(f"{st.fmean(x[i] for x in v):.3f}" for i in range(3)), f"{1e3 * st.fmean(x[3] for x in v):.0f}",
+              _fmt(st.fmean(x[4] for x in v), ".0f"), _fmt(st.fmean(x[5] for x in v), ".3f")]
+             for (net, sch, mix), v in cells]
     if out:
         fig, axes = new_figure(1, 2, figsize=(9, 3.4))
-        labels = [f"{sch}\n{mix}" for (sch, mix), _ in cells]
+        labels = [f"{sch}\n{mix}" + (f"\n{net}" if net != "-" else "") for (net, sch, mix), _ in cells]
         for ax, i, scale, ylabel, title in ((axes[0], 3, 1e3, "median step (ms)", "Step time per schedule"),
                                             (axes[1], 1, 1.0, "final val/loss", "Validation loss per schedule")):
             ax.bar(range(len(cells)), [scale * st.fmean(x[i] for x in v) for _, v in cells],
-                   color=["tab:red" if sch == "skrull" else "tab:gray" for (sch, _), _ in cells])
+                   color=["tab:red" if sch == "skrull" else "tab:gray" for (_, sch, _), _ in cells])
             ax.set_xticks(range(len(cells)), labels, fontsize=8)
             ax.set_ylabel(ylabel)
             ax.set_title(title, fontsize=9)
         save_figure(fig, out)
-    return markdown_table(["schedule", "mix", "runs", "final train/loss", "final val/loss", "micro-batches / step",
-                           "step (ms)"], table)
+    return markdown_table(["model", "schedule", "mix", "runs", "final train/loss", "final val/loss", "micro-batches / step",
+                           "step (ms)", "tokens/s", "padding share"], table)
 
 
 def bench(ctx: Any) -> list[Any]:

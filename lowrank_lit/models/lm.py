@@ -190,5 +190,10 @@ class PaddedCausalLM(nn.Module):
         return torch.cat([logits[i, : len(s)] for i, s in enumerate(seqs)])
 
     @staticmethod
+    def computed_tokens(lengths: list[int]) -> int:
+        """Positions one forward pass over whole sequences of ``lengths`` computes: each padded to the longest."""
+        return len(lengths) * max(lengths, default=0)
+
+    @staticmethod
     def targets(packed: dict[str, Any]) -> torch.Tensor:
         return torch.cat([packed["local"]["targets"], packed["dist"]["targets"]])

@@ -331,3 +331,33 @@ def test_jsonl_sequences_and_bad_files(tmp_path):
         PackedSFTDataModule(SkrullPlanner(256), jsonl=str(bad), max_length=256).setup("fit")
     with pytest.raises(ValueError, match="max_length=4096 > the planner's longest placeable sequence"):
         PackedSFTDataModule(SkrullPlanner(1024, cp=2), max_length=4096)
+
+
+def test_padding_share_and_tokens_per_second_are_logged_for_the_padded_char_lm(tmp_path):
+    """The char-LM's padded Llama under a plan: ``train/pad_share`` is the share of padded positions of the step's
+    micro-batches (each padded to its longest sequence), 0 for the packed model; ``train/tokens_per_s`` is positive."""
+    import lightning.pytorch as pl
+
+    from lowrank_lit.data.packed import PackedSFTDataModule
+    from lowrank_lit.methods.skrull import SkrullSFTModule
+    from lowrank_lit.models.lm import PaddedCausalLM, llama
+
+    assert PaddedCausalLM.computed_tokens([3, 7, 5]) == 21 and PaddedCausalLM.computed_tokens([]) == 0
+    for padded in (True, False):
+        torch.manual_seed(0)
+        net = (PaddedCausalLM(llama(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, context=300)) if padded
+               else PackedCausalLM(vocab_size=128, d_model=16, heads=2, layers=1, max_len=300))
+        dm = PackedSFTDataModule(SkrullPlanner(bucket=600, cp=1, schedule="baseline"), num_sequences=8, val_sequences=2,
+                                 global_batch_size=8, max_length=300, data_seed=0)
+        dm.setup("fit")
+        first = next(iter(dm.train_dataloader()))["micro_batches"]
+        lens = [[len(q) for q in mb] for mb in first]
+        real, computed = sum(map(sum, lens)), sum(len(x) * max(x) for x in lens)
+        trainer = pl.Trainer(fast_dev_run=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path)
+        trainer.fit(SkrullSFTModule(net), datamodule=dm)
+        got = trainer.callback_metrics
+        expected = 1.0 - real / computed if padded else 0.0
+        assert float(got["train/pad_share"]) == pytest.approx(expected, abs=1e-6), (lens, padded)
+        assert float(got["train/tokens_per_s"]) > 0
+    assert expected == 0.0 and 1.0 - real / computed > 0.2  # the packed run pays none of the padding the plan implies
