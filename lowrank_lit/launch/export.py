@@ -19,7 +19,8 @@ and :func:`load_run_artifact` read any export; the others add:
 * ``factors`` (``--keep FRACTION``) -- a rank-regularised model (Q3R) truncated by SVD to two factors per target
   Linear (:func:`lowrank_lit.methods.q3r.truncate`, :class:`~lowrank_lit.nn.lowrank_linear.LowRankLinear`):
   ``factors.safetensors`` holds the whole truncated model, ``factors.json`` the ranks per layer;
-  :func:`load_factors` rebuilds it. The targets are the config's ``Q3R`` callback's unless ``--targets`` names them.
+  :func:`load_factors` rebuilds it. The targets are those a callback of the config declares as ``rank_targets``
+  (Q3R's ``targets``) unless ``--targets`` names them.
 
 ``load`` builds the base from the artifact's own config section, checks it (shapes, and a digest of every frozen
 weight: a different base is named by its first differing key) and applies the artifact; ``--out`` writes a
@@ -163,7 +164,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
         fmt: ``native``, ``peft`` or ``hf`` (see the module docstring).
         config: the run's config; default ``RUN/config.yaml`` beside the checkpoint folder.
         keep, targets: ``factors`` only: the share of each target's parameters kept, and the target patterns
-            (default: the config's Q3R callback's).
+            (default: the ``rank_targets`` a callback of the config declares, e.g. Q3R's).
 
     Returns:
         a summary: entries, trained values, artifact and checkpoint bytes.
@@ -184,13 +185,13 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
         config = run / "config.yaml"
         if not config.is_file():
             raise ArtifactError(f"--config: no {config} beside the checkpoint; pass the config the run used")
-    built = build_from_config(config, verb="fit", callbacks=False)
+    # the callbacks are built only to ask which layers a rank regulariser targets (--format factors)
+    built = build_from_config(config, verb="fit", callbacks=fmt == "factors" and not targets)
     model: pl.LightningModule = built.model
     if hasattr(model, "prepare_base"):  # e.g. source pretraining: the base the fine-tuning started from
         model.prepare_base(built.data)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ckpt = load_checkpoint(ckpt_path, "--ckpt_path")
-    tensors, entries = changed_entries(ckpt["state_dict"], base)
     cfg = built.config
     meta = {"method": str(cfg.get("experiment") or "").split("/")[0] or None,
             "experiment": cfg.get("experiment"),
@@ -201,6 +202,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
             "formats": [fmt] if fmt == "native" else ["native", fmt]}
     if fmt == "factors":
         return _export_factors(built, ckpt["state_dict"], base, out, keep, targets, meta)
+    tensors, entries = changed_entries(ckpt["state_dict"], base)
     save_artifact(out, tensors, entries, base, meta)
     if fmt != "native":  # the trained weights in the model, for the ecosystem's writers
         model.load_state_dict({**base, **{k: v for k, v in ckpt["state_dict"].items() if k in base}})
@@ -219,15 +221,6 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
             "artifact_bytes": artifact_bytes(out), "checkpoint_bytes": ckpt_path.stat().st_size, "out": str(out)}
 
 
-def _config_targets(cfg: Any) -> list[str]:
-    """The target patterns of the config's Q3R callback (empty when there is none)."""
-    for c in cfg.trainer.get("callbacks") or []:
-        c = _plain(c)
-        if str(c.get("class_path", "")).endswith("q3r.Q3R"):
-            return list(c.get("init_args", {}).get("targets", []))
-    return []
-
-
 def _export_factors(built: Any, trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor], out: Path,
                     keep: float | None, targets: Sequence[str] | None, meta: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import save_file
@@ -237,9 +230,11 @@ def _export_factors(built: Any, trained: dict[str, torch.Tensor], base: dict[str
 
     if keep is None:
         raise ArtifactError("--format factors needs --keep FRACTION (the share of each target's parameters kept)")
-    patterns = list(targets or _config_targets(built.config))
+    # a callback that pulls layers towards low rank declares them as ``rank_targets`` (Q3R does)
+    patterns = list(targets or [p for cb in built.callbacks for p in getattr(cb, "rank_targets", ())])
     if not patterns:
-        raise ArtifactError("--format factors: the config has no Q3R callback; name the layers with --targets")
+        raise ArtifactError("--format factors: no callback of the config declares rank_targets (e.g. Q3R); "
+                            "name the layers with --targets")
     model = built.model
     model.load_state_dict({**base, **{k: v for k, v in trained.items() if k in base}})
     truncate(model.eval(), keep, patterns)
@@ -317,7 +312,7 @@ def main_export(argv: Sequence[str]) -> int:
     parser.add_argument("--format", default="native", help=f"one of {', '.join(FORMATS)} (default: native)")
     parser.add_argument("--config", help="the run's config (default: config.yaml of the run folder)")
     parser.add_argument("--keep", type=float, help="--format factors: share of each target's parameters kept")
-    parser.add_argument("--targets", nargs="+", help="--format factors: layer patterns (default: the Q3R callback's)")
+    parser.add_argument("--targets", nargs="+", help="--format factors: layer patterns (default: the rank_targets a callback of the config declares, e.g. Q3R's)")
     args = parser.parse_args(list(argv))
     if args.format not in FORMATS:
         parser.error(f"--format: {args.format!r}; allowed: {', '.join(FORMATS)}")

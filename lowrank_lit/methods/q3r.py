@@ -409,6 +409,12 @@ class Q3R(Callback):
         self._lr_of: Callable[[torch.Tensor], float] | None = None
         self._seen_step = -1
 
+    @property
+    def rank_targets(self) -> list[str]:
+        """The module patterns this callback pulls towards low rank (``lowrank export --format factors`` and
+        :class:`TruncationEval` truncate these)."""
+        return list(self.patterns)
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.regularizer is not None:
             return
@@ -500,7 +506,7 @@ class TruncationEval(Callback):
     logger, and the plot to W&B when a WandbLogger is configured.
 
     Args:
-        targets: module-name patterns (as in :class:`Q3R`). Default: None (those of the run's Q3R callback).
+        targets: module-name patterns (as in :class:`Q3R`). Default: None (the ``rank_targets`` a callback of the run declares: Q3R's).
         keep_fractions: fractions of target parameters kept. Default: [1.0, 0.6, 0.4, 0.2, 0.1].
         on: ``fit`` (after training) or ``test`` (after a test run). Default: ``fit``.
     """
@@ -525,9 +531,9 @@ class TruncationEval(Callback):
         if self.targets is not None:
             return self.targets
         for cb in trainer.callbacks:
-            if isinstance(cb, Q3R):
-                return cb.patterns
-        raise ValueError("TruncationEval: targets=None and the run has no Q3R callback; pass targets")
+            if getattr(cb, "rank_targets", None):
+                return list(cb.rank_targets)
+        raise ValueError("TruncationEval: targets=None and no callback of the run declares rank_targets (e.g. Q3R); pass targets")
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.on == "fit":
