@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ArtifactError", "FORMAT", "TENSORS", "META", "tensor_digest", "changed_entries", "save_artifact",
+    "ArtifactError", "FORMAT", "TENSORS", "META", "tensor_digest", "digests_digest", "state_digest", "changed_entries", "save_artifact",
     "read_artifact", "apply_artifact", "load_artifact", "artifact_bytes", "aliases", "flatten_state",
     "unflatten_state", "save_state", "load_state",
 ]
@@ -56,6 +56,17 @@ def tensor_digest(t: torch.Tensor) -> str:
     if t.numel():
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def digests_digest(digests: Mapping[str, str]) -> str:
+    """One 16-hex-digit digest of named tensor digests (names included, in sorted order)."""
+    return hashlib.sha256("".join(f"{k}={d};" for k, d in sorted(digests.items())).encode()).hexdigest()[:16]
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """One digest of every tensor of a state dict (names included): :func:`digests_digest` of the
+    :func:`tensor_digest` of each entry."""
+    return digests_digest({k: tensor_digest(v) for k, v in state.items() if isinstance(v, torch.Tensor)})
 
 
 def _view_id(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
@@ -145,7 +156,7 @@ def save_artifact(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor], e
     alias = aliases(base)
     frozen = {k: tensor_digest(v) for k, v in base.items()
               if k not in entries and alias.get(k) not in entries and isinstance(v, torch.Tensor)}
-    total = hashlib.sha256("".join(f"{k}={d};" for k, d in sorted(frozen.items())).encode()).hexdigest()[:16]
+    total = digests_digest(frozen)
     doc = {"format": FORMAT, **meta, "entries": dict(entries), "base": {"digest": total, "tensors": frozen}}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / TENSORS))
     (out / META).write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")

@@ -36,6 +36,7 @@ lattice (``G = s I``). Inferred choices (the paper leaves them open) are marked 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,7 @@ __all__ = [
     "storage_bits",
     "GLVQLinear",
     "pack_codes",
+    "pack_groups",
     "unpack_codes",
     "save_quantized",
     "merge_requantize",
@@ -428,6 +430,12 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return ((word.unsqueeze(1) >> (torch.arange(bits, device=u.device) * 8)) & 0xFF).to(torch.uint8).reshape(-1)
 
 
+def pack_groups(codes: Sequence[torch.Tensor], bits: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """The codes of every column group packed at its own bit width (:func:`pack_codes`), groups in order: the
+    ``packed`` buffer of :class:`GLVQLinear`."""
+    return torch.cat([pack_codes(c, int(b)) for c, b in zip(codes, bits, strict=True)])
+
+
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The first ``count`` codes of :func:`pack_codes` output, as int8 ``(count,)``."""
     _check_bits(bits)
@@ -522,7 +530,7 @@ class GLVQLinear(nn.Module):
             raise ValueError(f"GLVQLinear.set_codes: codes of shape {tuple(codes.shape)}; expected {expected}")
         with torch.no_grad():
             self.bits.copy_(bits)
-            self.packed = torch.cat([pack_codes(codes[g], int(bits[g])) for g in range(len(bits))]).to(self.G.device)
+            self.packed = pack_groups(list(codes), bits).to(self.G.device)
         self._cache = None
 
     def _drop_cache(self) -> None:
@@ -537,7 +545,7 @@ class GLVQLinear(nn.Module):
         old = state_dict.pop(prefix + "codes", None)
         if old is not None:  # unpacked int8 codes of an earlier version
             bits = state_dict[prefix + "bits"]
-            state_dict[prefix + "packed"] = torch.cat([pack_codes(old[g], int(bits[g])) for g in range(len(bits))])
+            state_dict[prefix + "packed"] = pack_groups(list(old), bits)
         if prefix + "packed" in state_dict:  # its length depends on the bits: take the stored size
             self.packed = torch.empty_like(state_dict[prefix + "packed"], device=self.packed.device)
         self._cache = None
@@ -550,7 +558,7 @@ class GLVQLinear(nn.Module):
                 self.mu[g] = float(r.mu)
                 self.scale[g] = float(r.scale)
                 self.bits[g] = r.bits
-            self.packed = torch.cat([pack_codes(r.codes.to(torch.int8), int(r.bits)) for r in results]).to(self.G.device)
+            self.packed = pack_groups([r.codes.to(torch.int8) for r in results], [r.bits for r in results]).to(self.G.device)
         self._cache = None
 
     def _decode(self, start: int, stop: int) -> torch.Tensor:

@@ -102,7 +102,9 @@ class TTAModule(pl.LightningModule):
         if self.use_source_batches and isinstance(dm, SourceData):
             gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
             batches = _cycle(lambda: dm.source_dataloader(generator=gen))
-        self._source_digest = _model_digest(self.model)
+        from lowrank_lit.artifacts import state_digest
+
+        self._source_digest = state_digest(self.model.state_dict())
         self.method.setup(self.model, batches)
         if self.reset_each_domain:
             self.method.snapshot_source()
@@ -195,16 +197,6 @@ class TTAModule(pl.LightningModule):
         path = plot_recurrence({type(self.method).__name__: per_rec}, artifact_path(self.trainer, "tta_recurrence.png"),
                                per_domain={type(self.method).__name__: per_domain})
         log_image(self.trainer, "tta/recurrence", path)
-
-
-def _model_digest(model: nn.Module) -> str:
-    """One digest of every tensor of a model's state dict (names included)."""
-    import hashlib
-
-    from lowrank_lit.artifacts import tensor_digest
-
-    text = "".join(f"{k}={tensor_digest(v)};" for k, v in model.state_dict().items())
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _cycle(make: Any) -> Any:
