@@ -12,7 +12,14 @@ corruption draws its noise from a generator, so the stream is reproducible.
 ``corruption_stream`` orders (domain, batch) visits: ``csc`` = the corruptions in a fixed order,
 ``recurrences`` times (continual structured change); ``cdc`` = runs of random length (1 .. 2 x
 batches_per_visit) of randomly chosen domains, never the same twice in a row, with the same total
-number of batches (continual dynamic change). ``DigitsCorruptionDataModule`` serves the stream
+number of batches (continual dynamic change). Three harder streams follow the CSC visits with the same
+number of batches (:data:`STREAM_SETTINGS`): ``mixed`` = every image of a batch from a domain drawn at
+random (all domains interleaved); ``correlated`` = the labels of each visit ordered by
+:func:`lowrank_lit.data.stream.dirichlet_order` with concentration ``dirichlet_alpha`` (0.01: batches of
+one or two classes); ``gradual`` = inside each visit the severity rises 1 -> 5 -> 1
+(:func:`lowrank_lit.data.stream.severity_ramp`), severity s being the blend ``x + (s / 5) (corrupt(x) - x)``
+of the clean and the fully corrupted image (our substitute for the five severity files of CIFAR-10-C;
+inferred). ``DigitsCorruptionDataModule`` serves the stream
 built from the held-out split of scikit-learn's digits (upsampled to 16x16 by default) and the clean
 training split (source statistics, EATA's Fisher). Its images are drawn at random per batch
 (``sampling="random"``) or in passes over the held-out split (``"epoch"``: every image once before any repeats).
@@ -29,7 +36,11 @@ from torch.utils.data import DataLoader, Dataset
 from lowrank_lit.data.digits import DigitsDataModule
 from lowrank_lit.seeding import run_seed
 
-__all__ = ["CORRUPTIONS", "DEFAULT_LEVELS", "RESERVOIR_DOMAINS", "corrupt", "corruption_stream", "StreamDataset", "DigitsCorruptionDataModule"]
+__all__ = ["CORRUPTIONS", "DEFAULT_LEVELS", "RESERVOIR_DOMAINS", "STREAM_SETTINGS", "corrupt", "corruption_stream", "visits",
+           "StreamDataset", "DigitsCorruptionDataModule"]
+
+#: the stream orders: two over whole visits (csc, cdc) and three harder ones built on the CSC visits
+STREAM_SETTINGS = ("csc", "cdc", "mixed", "correlated", "gradual")
 
 
 def _gaussian_noise(x: torch.Tensor, g: torch.Generator, sigma: float) -> torch.Tensor:
@@ -125,14 +136,15 @@ def corrupt(x: torch.Tensor, name: str, generator: torch.Generator | None = None
 
 def corruption_stream(domains: list[str], recurrences: int, batches_per_visit: int, setting: str = "csc",
                       seed: int = 0) -> list[tuple[int, int]]:
-    """The order of test batches as ``(domain index, recurrence index)`` pairs (see the module docstring)."""
-    if setting not in ("csc", "cdc"):
-        raise ValueError(f"corruption_stream: setting={setting!r}; allowed: csc, cdc")
+    """The order of test batches as ``(domain index, recurrence index)`` pairs (see the module docstring); the
+    settings built on CSC visits (``mixed``, ``correlated``, ``gradual``) get the CSC order."""
+    if setting not in STREAM_SETTINGS:
+        raise ValueError(f"corruption_stream: setting={setting!r}; allowed: {', '.join(STREAM_SETTINGS)}")
     if recurrences < 1 or batches_per_visit < 1 or not domains:
         raise ValueError(f"corruption_stream: recurrences={recurrences}, batches_per_visit={batches_per_visit}, "
                          f"domains={domains}; allowed: >= 1, >= 1, non-empty")
     total = recurrences * len(domains) * batches_per_visit
-    if setting == "csc":
+    if setting != "cdc":
         return [(d, r) for r in range(recurrences) for d in range(len(domains)) for _ in range(batches_per_visit)]
     g = torch.Generator().manual_seed(seed)
     out: list[tuple[int, int]] = []
@@ -146,6 +158,17 @@ def corruption_stream(domains: list[str], recurrences: int, batches_per_visit: i
         out += [(d, visits[d])] * min(n, total - len(out))
         visits[d] += 1
         prev = d
+    return out
+
+
+def visits(order: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Runs of equal ``(domain, recurrence)`` in a stream order: ``(domain, recurrence, batches)`` each."""
+    out: list[tuple[int, int, int]] = []
+    for d, r in order:
+        if out and out[-1][:2] == (d, r):
+            out[-1] = (d, r, out[-1][2] + 1)
+        else:
+            out.append((d, r, 1))
     return out
 
 
@@ -175,7 +198,8 @@ class DigitsCorruptionDataModule(DigitsDataModule):
         recurrences: passes over all domains. Default: 6 (card).
         batches_per_visit: batches per domain visit. Default: 12 (card).
         batch_size: images per batch. Default: 64 (card).
-        setting: ``csc`` (fixed order) or ``cdc`` (random runs). Default: csc.
+        setting: one of :data:`STREAM_SETTINGS`: ``csc`` (fixed order), ``cdc`` (random runs), ``mixed``,
+            ``correlated``, ``gradual`` (module docstring). Default: csc.
         stream_seed: seed of the sampled images, the corruption noise and the CDC order; None: the run seed
             (``seed_everything``). Default: 0.
         image_size: side after bilinear upsampling. Default: 16 (card).
@@ -184,6 +208,8 @@ class DigitsCorruptionDataModule(DigitsDataModule):
         split_seed: seed of the stratified split. Default: 0.
         sampling: ``random`` (each batch drawn afresh from the held-out images) or ``epoch`` (consecutive
             slices of shuffled passes over them). Default: random.
+        dirichlet_alpha: ``correlated``: the concentration of the label order. Default: 0.01.
+        dirichlet_slots: ``correlated``: time slots per visit; None: one per batch. Default: None.
     """
 
     def __init__(
@@ -200,6 +226,8 @@ class DigitsCorruptionDataModule(DigitsDataModule):
         val_fraction: float = 0.01,
         split_seed: int = 0,
         sampling: str = "random",
+        dirichlet_alpha: float = 0.01,
+        dirichlet_slots: int | None = None,
     ) -> None:
         super().__init__(image_size=image_size, channels=1, normalize=False, flatten=False, batch_size=batch_size,
                          val_fraction=val_fraction, test_fraction=test_fraction, split_seed=split_seed)
@@ -213,6 +241,10 @@ class DigitsCorruptionDataModule(DigitsDataModule):
             raise ValueError(f"DigitsCorruptionDataModule: levels has {bad!r}; allowed keys: {', '.join(CORRUPTIONS)}")
         if sampling not in ("random", "epoch"):
             raise ValueError(f"DigitsCorruptionDataModule: sampling={sampling!r}; allowed: random, epoch")
+        if not dirichlet_alpha > 0 or (dirichlet_slots is not None and dirichlet_slots < 1):
+            raise ValueError(f"DigitsCorruptionDataModule: dirichlet_alpha={dirichlet_alpha}, dirichlet_slots={dirichlet_slots}; "
+                             "allowed: > 0, None or >= 1")
+        self.dirichlet_alpha, self.dirichlet_slots = dirichlet_alpha, dirichlet_slots
         self.order = corruption_stream(self.corruptions, recurrences, batches_per_visit, setting, run_seed(stream_seed))
         self.recurrences, self.batches_per_visit, self.setting, self.stream_seed = recurrences, batches_per_visit, setting, stream_seed
         self.sampling = sampling
@@ -225,6 +257,9 @@ class DigitsCorruptionDataModule(DigitsDataModule):
         assert self.test_set is not None
         x, y = self.test_set.tensors
         g = torch.Generator().manual_seed(run_seed(self.stream_seed))
+        if self.setting in ("mixed", "correlated", "gradual"):
+            self.stream = StreamDataset(self._harder_stream(x, y, g))
+            return
         batches = []
         pool = torch.empty(0, dtype=torch.long)
         for d, r in self.order:
@@ -239,6 +274,44 @@ class DigitsCorruptionDataModule(DigitsDataModule):
             n = len(idx)
             batches.append((xb, y[idx], torch.full((n,), d), torch.full((n,), r)))
         self.stream = StreamDataset(batches)
+
+    def _draw(self, n: int, g: torch.Generator, pool: list[torch.Tensor]) -> torch.Tensor:
+        """The held-out indices of the next batch (``sampling``)."""
+        if self.sampling == "random":
+            return torch.randperm(n, generator=g)[: self.batch_size]
+        while len(pool[0]) < min(self.batch_size, n):
+            pool[0] = torch.cat([pool[0], torch.randperm(n, generator=g)])
+        idx, pool[0] = pool[0][: self.batch_size], pool[0][self.batch_size:]
+        return idx
+
+    def _harder_stream(self, x: torch.Tensor, y: torch.Tensor, g: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+        """The ``mixed``, ``correlated`` and ``gradual`` streams over the CSC visits (module docstring)."""
+        from lowrank_lit.data.stream import dirichlet_order, severity_ramp
+
+        pool = [torch.empty(0, dtype=torch.long)]
+        batches = []
+        for d, r, n_batches in visits(self.order):
+            idx = torch.stack([self._draw(len(y), g, pool) for _ in range(n_batches)])  # (V, B)
+            if self.setting == "correlated":
+                flat = idx.flatten()
+                idx = flat[dirichlet_order(y[flat], self.dirichlet_slots or n_batches, self.dirichlet_alpha, g)].view_as(idx)
+            ramp = severity_ramp(n_batches)
+            for j, bi in enumerate(idx):
+                n = len(bi)
+                if self.setting == "mixed":  # every image from a domain of its own
+                    doms = torch.randint(len(self.corruptions), (n,), generator=g)
+                    xb = x[bi].clone()
+                    for k in torch.unique(doms).tolist():
+                        name = self.corruptions[k]
+                        xb[doms == k] = corrupt(x[bi][doms == k], name, g, self.levels.get(name))
+                    batches.append((xb, y[bi], doms, torch.full((n,), r)))
+                    continue
+                name = self.corruptions[d]
+                xb = corrupt(x[bi], name, g, self.levels.get(name))
+                if self.setting == "gradual":  # severity s of 5: the blend of clean and fully corrupted
+                    xb = x[bi] + (ramp[j] / 5.0) * (xb - x[bi])
+                batches.append((xb, y[bi], torch.full((n,), d), torch.full((n,), r)))
+        return batches
 
     def source_dataloader(self, batch_size: int | None = None, generator: torch.Generator | None = None) -> DataLoader:
         """Clean training images (shuffled, with replacement batches of the stream's size): source statistics."""

@@ -189,7 +189,8 @@ def _builds(base: str, fragment_files: Sequence[Path], verb: str) -> str | None:
     try:
         built = build_from_config(base, overrides, verb, quiet=True)
         try:  # the optimizer sees the parameters (a rank larger than a matrix, a group it cannot take)
-            built.model.configure_optimizers()
+            if verb == "fit":
+                built.model.configure_optimizers()
         except RuntimeError as exc:
             if "trainer" not in str(exc).lower():  # needs the trainer (e.g. a scheduler's step count): not checkable
                 raise

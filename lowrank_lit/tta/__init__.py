@@ -1,4 +1,5 @@
-"""Test-time adaptation: the adapting LightningModule and single-model methods that plug-ins wrap."""
+"""Test-time adaptation: the adapting LightningModule, single-model methods that plug-ins wrap, and the standard
+baselines (SAR, RoTTA, LAME; AdaBN is ``SourceOnly(batch_stats=True)``)."""
 
 from lowrank_lit.tta.base import (
            EATA,
@@ -11,7 +12,9 @@ from lowrank_lit.tta.base import (
            entropy,
            norm_affine_params,
 )
+from lowrank_lit.tta.baselines import LAME, SAR, RobustBatchNorm, RoTTA, knn_affinity, laplacian_adjust
 from lowrank_lit.tta.module import TTAModule, load_backbone, plot_recurrence, purity
 
-__all__ = ["TTAMethod", "TTAWrapper", "SourceData", "SourceOnly", "Tent", "EATA", "CoTTA", "TTAModule", "entropy", "norm_affine_params",
+__all__ = ["TTAMethod", "TTAWrapper", "SourceData", "SourceOnly", "Tent", "EATA", "CoTTA", "SAR", "RoTTA", "LAME",
+           "RobustBatchNorm", "knn_affinity", "laplacian_adjust", "TTAModule", "entropy", "norm_affine_params",
            "load_backbone", "plot_recurrence", "purity"]

@@ -115,7 +115,11 @@ class TTAMethod:
                 m.train()
                 m.track_running_stats = False
                 m.running_mean = m.running_var = None
-        self.optimizer = torch.optim.Adam(self.params, lr=self.lr, betas=self.betas) if self.params else None
+        self.optimizer = self.make_optimizer(self.params) if self.params else None
+
+    def make_optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer of the adapted parameters. Default: Adam(``lr``, ``betas``)."""
+        return torch.optim.Adam(params, lr=self.lr, betas=self.betas)
 
     # -- one batch ---------------------------------------------------------------------------------
     def _check_batch(self, x: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ The trainer must run with ``inference_mode: false`` (adaptation needs gradients 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.checkpoint import load_checkpoint
+from lowrank_lit.data.stream import label_entropy
 from lowrank_lit.metrics import purity
 from lowrank_lit.report import artifact_path, log_image, may_write, new_figure, save_figure, save_rows
 from lowrank_lit.seeding import run_seed
@@ -68,17 +70,20 @@ class TTAModule(pl.LightningModule):
             state(s) saved there (a reservoir with its copies and centroids, TRUST's traversal order) instead of
             the source model's, so a stream can be continued or an adapted model evaluated on other data. The
             source model must be the same (checked by digest). Default: None.
+        plugin: a plug-in that wraps ``method`` (e.g. ``lowrank_lit.methods.reservoir_tta.ReservoirTTA`` given
+            without its ``method``), so that a config fragment adds it to any method. Default: None.
 
     At the end of the stream the run directory gets ``stream_state/`` (``state.safetensors`` + ``state.json``:
     :meth:`TTAMethod.stream_state` and the source model's digest).
     """
 
     def __init__(self, model: nn.Module, method: TTAMethod, source_ckpt: str | None = None, source_batches: bool = True,
-                 reset_each_domain: bool = False, stream_state: str | None = None) -> None:
+                 reset_each_domain: bool = False, stream_state: str | None = None,
+                 plugin: Callable[[TTAMethod], TTAMethod] | None = None) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["model", "method"], logger=False)
+        self.save_hyperparameters(ignore=["model", "method", "plugin"], logger=False)
         self.model = model
-        self.method = method
+        self.method = plugin(method) if plugin is not None else method
         self.automatic_optimization = False
         self.source_ckpt = source_ckpt
         self.use_source_batches = source_batches
@@ -130,6 +135,7 @@ class TTAModule(pl.LightningModule):
                                "(config: `trainer: {inference_mode: false}`)")
         self._prepare()
         self.rows = []
+        self._per_domain: dict[int, list[float]] = {}  # domain -> [wrong predictions, samples], stream order
         self._domain = None
 
     def test_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
@@ -141,9 +147,17 @@ class TTAModule(pl.LightningModule):
         self._domain = domain
         self.method.domain = domain
         logits = self.method.forward_and_adapt(x)
-        err = float((logits.argmax(dim=1) != y).float().mean())
+        wrong = (logits.argmax(dim=1) != y).float()  # (B,)
+        err = float(wrong.mean())
         entropy = float(-(logits.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1).mean())  # Tent's objective
-        row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "n": len(x), "error": err, "entropy": entropy}
+        doms = batch[2] if len(batch) > 2 else torch.zeros(len(x), dtype=torch.long)
+        for d in torch.unique(doms).tolist():  # per-sample accounting: a mixed batch holds several domains
+            sel = doms == d
+            acc = self._per_domain.setdefault(int(d), [0.0, 0])
+            acc[0] += float(wrong[sel].sum())
+            acc[1] += int(sel.sum())
+        row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "n": len(x), "error": err, "entropy": entropy,
+               "label_entropy": label_entropy(y, logits.shape[1]), "domains": len(torch.unique(doms))}
         cluster = self.method.last_cluster
         if cluster is not None:
             row["cluster"] = cluster
@@ -163,14 +177,18 @@ class TTAModule(pl.LightningModule):
             self.log(f"test/error_r{k}", v)
         self.log("test/error_last", per_rec[recs[-1]])
         names = self._domain_names()
-        visits: dict[int, list[dict[str, Any]]] = {}  # domain -> its batches, domains in stream order
-        for r in self.rows:
-            visits.setdefault(r["domain"], []).append(r)
-        label = {d: names.get(d, f"d{d}") for d in visits}
-        errors = {d: sum(r["error"] * r["n"] for r in rows) / sum(r["n"] for r in rows)
-                  for d, rows in visits.items()}  # batch-size weighted error of each domain
+        label = {d: names.get(d, f"d{d}") for d in self._per_domain}
+        errors = {d: w / n for d, (w, n) in self._per_domain.items()}  # per-sample error of each domain
+        # the stream's own statistics: how mixed its batches' labels are, how often its domain changes
+        self.log("test/label_entropy", sum(r["label_entropy"] for r in self.rows) / len(self.rows))
+        self.log("test/domain_switches", float(sum(a["domain"] != b["domain"] for a, b in zip(self.rows, self.rows[1:], strict=False))))
+        self.log("test/domains_per_batch", sum(r["domains"] for r in self.rows) / len(self.rows))
+        from lowrank_lit.bench import tensor_bytes
+
+        # what the method holds besides the network: adapted copies, optimizer moments, teachers, memory banks
+        self.log("test/state_mb", tensor_bytes(self.method.stream_state()) / 2**20)
         accs = []
-        for d in sorted(visits):
+        for d in sorted(self._per_domain):
             acc = 1.0 - errors[d]
             self.log(f"test/acc_{label[d]}", acc)
             accs.append(acc)

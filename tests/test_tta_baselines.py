@@ -1,0 +1,314 @@
+"""The test-time adaptation baselines (SAR, RoTTA, LAME) and the harder streams (mixed, correlated, gradual).
+
+Update rules against hand computations on small cases, stream statistics, mid-stream resume, and the configs of
+the digits-C table (configs/tta/source_bn_cnn_digits.yaml, digits_tent, digits_sar, digits_rotta, digits_lame).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lowrank_lit.data.stream import dirichlet_order, label_entropy, severity_ramp
+from lowrank_lit.tta import LAME, SAR, RobustBatchNorm, RoTTA, entropy, knn_affinity, laplacian_adjust
+
+
+def _bn_model(seed: int = 0) -> nn.Module:
+    from lowrank_lit.models.cnn import GroupNormCNN
+
+    torch.manual_seed(seed)
+    model = GroupNormCNN(in_chans=1, num_classes=10, widths=[8, 8], norm="batch")
+    with torch.no_grad():  # source statistics that are not the identity
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+
+
+# -- SAR ------------------------------------------------------------------------------------------------
+
+def test_sar_step_is_the_sharpness_aware_gradient_on_the_reliable_samples():
+    x = torch.randn(12, 4) * 3
+    ref = _mlp()
+    with torch.no_grad():
+        ent = entropy(ref(x))
+    e_margin = float(ent.median()) / math.log(3)  # about half the samples are reliable
+    sar = SAR(lr=0.1, momentum=0.9, e_margin=e_margin, rho=0.05, reset_constant=0.0)
+    model = _mlp()
+    sar.setup(model)
+    sar.forward_and_adapt(x)
+
+    # by hand: g1 at w on the reliable samples; w + rho g1 / ||g1||; g2 there on those that stay reliable; SGD from w
+    e0 = e_margin * math.log(3)
+    w = [p.detach().clone().requires_grad_(True) for p in (ref[1].weight, ref[1].bias)]
+
+    def ent_at(params):
+        h = ref[0](x)
+        h = nn.functional.layer_norm(h, (6,), params[0], params[1])
+        return entropy(ref[2](h))
+
+    e1 = ent_at(w)
+    keep = e1 < e0
+    assert 0 < int(keep.sum()) < len(x)
+    g1 = torch.autograd.grad(e1[keep].mean(), w)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in g1))
+    w2 = [(p + 0.05 * g / norm).detach().requires_grad_(True) for p, g in zip(w, g1, strict=True)]
+    e2 = ent_at(w2)[keep]
+    g2 = torch.autograd.grad(e2[e2 < e0].mean(), w2)
+    for p, g, new in zip(w, g2, sar.params, strict=True):  # SGD's first momentum step: w - lr g
+        torch.testing.assert_close(new.detach(), p.detach() - 0.1 * g, atol=1e-6, rtol=0)
+    assert sar.ema == pytest.approx(float(e2[e2 < e0].mean().detach()), rel=1e-5)
+    assert not model[0].weight.requires_grad  # only the norm layer adapts
+
+
+def test_sar_recovers_the_source_state_when_the_loss_ema_drops_below_the_constant():
+    x = torch.randn(12, 4) * 3
+    sar = SAR(lr=0.5, e_margin=1.0, reset_constant=10.0)  # every loss is below 10: recover after the step
+    model = _mlp()
+    source = copy.deepcopy(model.state_dict())
+    sar.setup(model)
+    sar.forward_and_adapt(x)
+    assert sar.recoveries == 1 and sar.ema is None
+    assert all(torch.equal(source[k], v) for k, v in model.state_dict().items())
+    assert not sar.optimizer.state  # momentum cleared
+    kept = SAR(lr=0.5, e_margin=1.0, reset_constant=0.0)
+    kept.setup(_mlp())
+    kept.forward_and_adapt(x)
+    assert kept.recoveries == 0 and not torch.equal(kept.params[0].detach(), source["1.weight"])
+
+
+def test_sar_skips_a_batch_without_reliable_samples():
+    sar = SAR(lr=0.5, e_margin=1e-9)
+    model = _mlp()
+    before = copy.deepcopy(model.state_dict())
+    sar.setup(model)
+    sar.forward_and_adapt(torch.randn(8, 4))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and sar.ema is None
+
+
+# -- RoTTA ----------------------------------------------------------------------------------------------
+
+def test_robust_batchnorm_normalises_with_the_moving_global_statistics():
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        bn.running_var.copy_(torch.tensor([1.0, 4.0, 0.25]))
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+    rbn = RobustBatchNorm(bn, alpha=0.05)
+    x = torch.randn(4, 3, 2, 2) * 2 + 1
+    out = rbn(x)
+    mean = 0.95 * bn.running_mean + 0.05 * x.mean(dim=(0, 2, 3))
+    var = 0.95 * bn.running_var + 0.05 * x.var(dim=(0, 2, 3), unbiased=False)
+    want = (x - mean.view(1, 3, 1, 1)) / torch.sqrt(var.view(1, 3, 1, 1) + bn.eps) * bn.weight.view(1, 3, 1, 1) + bn.bias.view(1, 3, 1, 1)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(rbn.mean, mean)
+    torch.testing.assert_close(rbn.var, var)
+    rbn(x)  # a second batch moves them again
+    torch.testing.assert_close(rbn.mean, 0.95 * mean + 0.05 * x.mean(dim=(0, 2, 3)))
+
+
+def test_rotta_memory_bank_is_category_balanced_and_displaces_by_age_and_uncertainty():
+    r = RoTTA(memory_size=4)
+    r.num_classes = 3  # share: 4 / 3 per class
+    x = torch.zeros(1)
+
+    def bank():
+        return {c: sorted(i["uncertainty"] for i in r.bank if i["label"] == c) for c in range(3)}
+
+    for label, u in ((0, 0.1), (0, 0.6), (1, 0.2), (1, 0.4)):
+        assert r.insert(x, label, u)  # below the share and the bank not full: stored
+    assert [i["age"] for i in r.bank] == [3, 2, 1, 0]  # every offer ages the bank
+    # class 2 below its share, bank full: the highest score of the majority classes (0 and 1 hold two each) goes,
+    # score = 1 / (1 + exp(-age / 4)) + H / ln 3: the old uncertain 0.6 (age 4: 0.679 + 0.546)
+    assert r.insert(x, 2, 0.3) and bank() == {0: [0.1], 1: [0.2, 0.4], 2: [0.3]}
+    assert r.insert(x, 0, 0.05) and bank() == {0: [0.05, 0.1], 1: [0.2], 2: [0.3]}  # majority now class 1
+    # a newcomer that scores above every majority instance is not stored (0.5 + 0.99 / ln 3 = 1.40)
+    assert not r.insert(x, 1, 0.99) and bank() == {0: [0.05, 0.1], 1: [0.2], 2: [0.3]}
+    # class 2 below its share: class 0's highest-scoring instance (the older 0.1) makes room
+    assert r.insert(x, 2, 0.0) and bank() == {0: [0.05], 1: [0.2], 2: [0.0, 0.3]}
+    # class 2 at its share: its own highest-scoring instance (0.3) goes for a more certain newcomer
+    assert r.insert(x, 2, 0.1) and bank() == {0: [0.05], 1: [0.2], 2: [0.0, 0.1]}
+    assert len(r.bank) == 4
+
+
+def test_rotta_student_loss_is_timeliness_weighted_and_the_teacher_follows_by_ema():
+    from lowrank_lit.tta.baselines import _strong_augment
+
+    r = RoTTA(lr=1e-3, memory_size=64, update_frequency=1000, nu=0.25)  # share 6.4: the six samples fit
+    model = _bn_model()
+    r.setup(model)
+    assert isinstance(model.blocks[0][1], RobustBatchNorm)
+    x = torch.rand(6, 1, 8, 8)
+    r.forward_and_adapt(x)  # fills the bank (no update yet: update_frequency 1000)
+    assert len(r.bank) == 6 and [i["age"] for i in r.bank] == [5, 4, 3, 2, 1, 0]
+    student = copy.deepcopy(model)
+    teacher_before = [p.detach().clone() for p in r.teacher.parameters()]
+    g = torch.Generator()
+    g.set_state(r.generator.get_state())
+    xs = torch.stack([i["x"] for i in r.bank])
+    ages = torch.tensor([5.0, 4, 3, 2, 1, 0])
+    w = torch.exp(-ages / 64) / (1 + torch.exp(-ages / 64))
+    with torch.no_grad():
+        target = copy.deepcopy(r.teacher)(xs).softmax(dim=1)
+    loss = (-(target * student(_strong_augment(xs, g)).log_softmax(dim=1)).sum(dim=1) * w).mean()
+    params = [p for m in student.modules() if isinstance(m, RobustBatchNorm) for p in (m.weight, m.bias)]
+    grads = torch.autograd.grad(loss, params)
+    r.optimizer = torch.optim.SGD(r.params, lr=1.0)  # the step shows the gradient: p - g
+    before = [p.detach().clone() for p in r.params]
+    r._update_student()
+    for b, g_, new in zip(before, grads, r.params, strict=True):
+        torch.testing.assert_close(new.detach(), b - g_, atol=1e-5, rtol=1e-4)
+    for t0, t, s in zip(teacher_before, r.teacher.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(t, 0.75 * t0 + 0.25 * s.detach())
+
+
+# -- LAME -----------------------------------------------------------------------------------------------
+
+def test_knn_affinity_and_the_laplacian_fixed_point():
+    torch.manual_seed(0)
+    f = torch.randn(7, 5)
+    w = knn_affinity(f, 2)
+    assert torch.equal(w.sum(dim=1), torch.full((7,), 2.0)) and torch.equal(w.diagonal(), torch.zeros(7))
+    sim = nn.functional.normalize(f, dim=1) @ nn.functional.normalize(f, dim=1).T
+    sim.fill_diagonal_(-2)
+    assert torch.equal(w[0].nonzero().flatten().sort().values, sim[0].topk(2).indices.sort().values)
+    y = torch.softmax(torch.randn(7, 3) * 2, dim=1)
+    torch.testing.assert_close(laplacian_adjust(y, torch.zeros(7, 7)), y)  # no affinity: the model's output
+    z = laplacian_adjust(y, w, max_iter=500, tol=1e-12)
+    torch.testing.assert_close(z, (y.log() + w @ z).softmax(dim=1), atol=1e-6, rtol=0)  # the bound's fixed point
+    # neighbours agree more after the adjustment
+    agree = lambda p: float((p.argmax(1)[:, None] == p.argmax(1)[None, :]).float().mul(w).sum())  # noqa: E731
+    assert agree(z) >= agree(y)
+
+
+def test_lame_changes_outputs_not_parameters():
+    model = _bn_model()
+    before = copy.deepcopy(model.state_dict())
+    lame = LAME(knn=3)
+    lame.setup(model)
+    x = torch.rand(10, 1, 8, 8)
+    out = lame.forward_and_adapt(x)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # source statistics kept too
+    with torch.no_grad():
+        y = model(x).softmax(dim=1)
+        feats = model.blocks(x).mean(dim=(2, 3))
+    torch.testing.assert_close(out.softmax(dim=1), laplacian_adjust(y, knn_affinity(feats, 3)), atol=1e-6, rtol=0)
+
+
+# -- resume mid-stream --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda: SAR(lr=0.01, e_margin=1.0), lambda: RoTTA(update_frequency=8, memory_size=8),
+                                  lambda: LAME(knn=3)], ids=["sar", "rotta", "lame"])
+def test_a_stream_state_resumes_the_method_exactly(make):
+    torch.manual_seed(1)
+    batches = [torch.rand(8, 1, 8, 8) for _ in range(4)]
+    whole = make()
+    whole.setup(_bn_model())
+    outs = [whole.forward_and_adapt(b) for b in batches]
+    first = make()
+    first.setup(_bn_model())
+    for b in batches[:2]:
+        first.forward_and_adapt(b)
+    resumed = make()
+    resumed.setup(_bn_model())
+    resumed.load_stream_state(copy.deepcopy(first.stream_state()))
+    for b, want in zip(batches[2:], outs[2:], strict=True):
+        assert torch.equal(resumed.forward_and_adapt(b), want)
+    assert all(torch.equal(a, b) for a, b in zip(whole.get_params(), resumed.get_params(), strict=True))
+
+
+# -- streams --------------------------------------------------------------------------------------------
+
+def test_dirichlet_order_severity_ramp_and_label_entropy():
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 10, (24 * 64,), generator=g)
+    order = dirichlet_order(y, 24, 0.01, g)  # one slot per batch
+    assert torch.equal(order.sort().values, torch.arange(len(y)))
+    ent = [label_entropy(y[order][i * 64:(i + 1) * 64], 10) for i in range(24)]
+    wide = dirichlet_order(y, 24, 1000.0, g)
+    ent_wide = [label_entropy(y[wide][i * 64:(i + 1) * 64], 10) for i in range(24)]
+    assert sum(ent) / 24 < 0.5 < 2.0 < sum(ent_wide) / 24
+    assert severity_ramp(9) == [1, 2, 3, 4, 5, 4, 3, 2, 1] and severity_ramp(1) == [5]
+    assert label_entropy(torch.tensor([3, 3, 3]), 10) == 0.0
+    assert label_entropy(torch.arange(10), 10) == pytest.approx(math.log(10))
+    with pytest.raises(ValueError, match="alpha"):
+        dirichlet_order(y, 24, 0.0, g)
+
+
+def _stream(setting: str, **kw):
+    from lowrank_lit.data.corruptions import DigitsCorruptionDataModule
+
+    dm = DigitsCorruptionDataModule(setting=setting, recurrences=2, batches_per_visit=24, **kw)
+    dm.setup("test")
+    return dm
+
+
+def test_the_harder_streams_statistics():
+
+    csc, mixed, corr, grad = (_stream(s) for s in ("csc", "mixed", "correlated", "gradual"))
+    for dm in (mixed, corr, grad):
+        assert len(dm.stream) == len(csc.stream) == 2 * 6 * 24
+    ent = lambda dm: sum(label_entropy(b[1], 10) for b in dm.stream.batches) / len(dm.stream)  # noqa: E731
+    assert ent(corr) < 0.5 < 2.0 < ent(csc)  # Dirichlet(0.01): about one class per batch
+    assert min(len(torch.unique(b[2])) for b in mixed.stream.batches) >= 4  # six domains interleaved in a batch
+    assert all(len(torch.unique(b[2])) == 1 for b in grad.stream.batches)
+    # gradual: severity s blends s / 5 of the corruption in; with brightness (0.6 x + 0.4) the batch mean follows the ramp
+    bright = _stream("gradual", corruptions=["brightness"])
+    means = torch.tensor([float(b[0].mean()) for b in bright.stream.batches[:24]])
+    ramp = torch.tensor(severity_ramp(24), dtype=torch.float)
+    assert float(torch.corrcoef(torch.stack([means, ramp]))[0, 1]) > 0.9
+    again = _stream("correlated")
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(corr.stream.batches, again.stream.batches, strict=True))  # seeded
+    with pytest.raises(ValueError, match="setting"):
+        _stream("shuffled")
+
+
+# -- the configs of the table ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bn_source(tmp_path_factory):
+    from tests.helpers import CONFIGS, run_cli
+
+    root = tmp_path_factory.mktemp("tta_bn_source")
+    assert run_cli("fit", "--config", CONFIGS / "tta" / "source_bn_cnn_digits.yaml", "--trainer.max_epochs=2",
+                   "--test_after_fit=false", run_root=root) == 0
+    return root / "tta" / "source_bn_cnn_digits" / "source" / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("name", ["digits_tent", "digits_sar", "digits_rotta", "digits_lame"])
+@pytest.mark.parametrize("setting", ["correlated", "mixed"])
+def test_table_config_runs_on_the_harder_streams(name, setting, bn_source, run_root):
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    assert run_cli("test", "--config", CONFIGS / "tta" / f"{name}.yaml", f"--model.init_args.source_ckpt={bn_source}",
+                   f"--data.init_args.setting={setting}", "--data.init_args.recurrences=1",
+                   "--data.init_args.batches_per_visit=2", "--run_id", "smoke", run_root=run_root) == 0
+    logged = last_values(run_root / "tta" / name / "smoke" / "metrics.csv")
+    assert 0 <= logged["test/error"] <= 1 and logged["cost/step_s"] > 0 and logged["test/state_mb"] >= 0
+    if setting == "mixed":
+        assert logged["test/domains_per_batch"] >= 4
+
+
+def test_reservoir_plugs_into_any_method_from_a_fragment(bn_source, run_root):
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    plugin = ('{"class_path": "lowrank_lit.methods.reservoir_tta.ReservoirTTA", "init_args": '
+              '{"style_layers": ["blocks.0.0", "blocks.1.0"], "n_source_styles": 20}}')
+    assert run_cli("test", "--config", CONFIGS / "tta" / "digits_sar.yaml", f"--model.init_args.source_ckpt={bn_source}",
+                   f"--model.init_args.plugin={plugin}", "--data.init_args.recurrences=2",
+                   "--data.init_args.batches_per_visit=2", "--run_id", "res", run_root=run_root) == 0
+    logged = last_values(run_root / "tta" / "digits_sar" / "res" / "metrics.csv")
+    assert logged["test/models"] >= 1 and "test/clusters" in logged
