@@ -291,12 +291,10 @@ class DigitsCorruptionDataModule(DigitsDataModule):
         pool = [torch.empty(0, dtype=torch.long)]
         batches = []
         for d, r, n_batches in visits(self.order):
-            idx = torch.stack([self._draw(len(y), g, pool) for _ in range(n_batches)])  # (V, B)
-            if self.setting == "correlated":
-                flat = idx.flatten()
-                idx = flat[dirichlet_order(y[flat], self.dirichlet_slots or n_batches, self.dirichlet_alpha, g)].view_as(idx)
             ramp = severity_ramp(n_batches)
-            for j, bi in enumerate(idx):
+            visit = []
+            for j in range(n_batches):
+                bi = self._draw(len(y), g, pool)
                 n = len(bi)
                 if self.setting == "mixed":  # every image from a domain of its own
                     doms = torch.randint(len(self.corruptions), (n,), generator=g)
@@ -304,13 +302,19 @@ class DigitsCorruptionDataModule(DigitsDataModule):
                     for k in torch.unique(doms).tolist():
                         name = self.corruptions[k]
                         xb[doms == k] = corrupt(x[bi][doms == k], name, g, self.levels.get(name))
-                    batches.append((xb, y[bi], doms, torch.full((n,), r)))
+                    visit.append((xb, y[bi], doms, torch.full((n,), r)))
                     continue
                 name = self.corruptions[d]
                 xb = corrupt(x[bi], name, g, self.levels.get(name))
                 if self.setting == "gradual":  # severity s of 5: the blend of clean and fully corrupted
                     xb = x[bi] + (ramp[j] / 5.0) * (xb - x[bi])
-                batches.append((xb, y[bi], torch.full((n,), d), torch.full((n,), r)))
+                visit.append((xb, y[bi], torch.full((n,), d), torch.full((n,), r)))
+            if self.setting == "correlated":  # the visit's corrupted images, reordered: a pure change of order
+                whole = [torch.cat(t) for t in zip(*visit, strict=True)]
+                perm = dirichlet_order(whole[1], self.dirichlet_slots or n_batches, self.dirichlet_alpha, g)
+                sizes = [len(t[1]) for t in visit]
+                visit = list(zip(*(torch.split(t[perm], sizes) for t in whole), strict=True))
+            batches += visit
         return batches
 
     def source_dataloader(self, batch_size: int | None = None, generator: torch.Generator | None = None) -> DataLoader:

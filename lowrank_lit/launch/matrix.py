@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import os
 import shlex
@@ -358,7 +359,7 @@ def plot_heatmaps(grid: Grid, rows: list[dict[str, Any]], root: Path) -> list[Pa
 
 
 def main(argv: Sequence[str]) -> int:
-    """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--root DIR] [--jobs N] [--limit N] [--check]``."""
+    """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--root DIR] [--jobs N] [--limit N] [--seeds S ...] [--check]``."""
     parser = argparse.ArgumentParser(prog="lowrank matrix", description="Run the cross product of config fragments "
                                      "over seeds (a grid sweep) and write one table and a heatmap per metric.")
     parser.add_argument("--config", help="the base config (default: the grid file's `config`)")
@@ -367,6 +368,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="cells run at once, each in its own process (default 1)")
     parser.add_argument("--check", action="store_true", help="build every cell and report, run nothing")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many runs in this call (smoke)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="run (and tabulate) only these seeds of the grid's")
     opts, extra = parser.parse_known_args(list(argv))
     try:
         grid = load_grid(opts.grid)
@@ -375,6 +377,11 @@ def main(argv: Sequence[str]) -> int:
             raise GridError("--config: no base config (give --config or `config:` in the grid file)")
         if opts.jobs < 1:
             raise GridError(f"--jobs: {opts.jobs}; allowed: an integer >= 1")
+        if opts.seeds:
+            unknown = [x for x in opts.seeds if x not in grid.seeds]
+            if unknown:
+                raise GridError(f"--seeds: {unknown} are not seeds of {opts.grid} ({grid.seeds})")
+            grid = dataclasses.replace(grid, seeds=list(opts.seeds))
     except GridError as exc:
         print(f"lowrank matrix: error: {exc}", file=sys.stderr)
         return 2
