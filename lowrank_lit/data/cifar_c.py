@@ -5,7 +5,10 @@ Point ``data_dir`` at the folder of the standard release: one ``<corruption>.npy
 downloaded. Images are scaled to [0, 1] and normalised with the CIFAR-10 channel statistics that
 :class:`lowrank_lit.data.CIFAR10DataModule` uses, so a source model trained with it fits. The stream is
 CSC (the corruptions in order, ``recurrences`` times, the papers' protocol: 15 corruptions, severity 5,
-batches of 200, 20 recurrences) or CDC (random runs), as in :mod:`lowrank_lit.data.corruptions`.
+batches of 200, 20 recurrences) or CDC (random runs), as in :mod:`lowrank_lit.data.corruptions`, or one of the
+harder streams over the CSC visits: ``mixed`` (every image from a random corruption), ``correlated`` (each
+visit's labels in a Dirichlet(``dirichlet_alpha``) order) and ``gradual`` (severity 1 -> 5 -> 1 inside each visit,
+read from the release's five severity blocks).
 ``source_dataloader`` serves clean CIFAR-10 training images (``cifar10_dir``) for source statistics.
 """
 
@@ -18,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lowrank_lit.data.corruptions import StreamDataset, corruption_stream
+from lowrank_lit.data.corruptions import STREAM_SETTINGS, StreamDataset, corruption_stream, visits
 
 __all__ = ["CIFAR10CDataModule", "CIFAR10C_CORRUPTIONS"]
 
@@ -45,8 +48,10 @@ class CIFAR10CDataModule(pl.LightningDataModule):
         severity: 1..5. Default: 5.
         recurrences: passes over all corruptions. Default: 20.
         batch_size: images per batch. Default: 200.
-        setting: ``csc`` or ``cdc``. Default: csc.
+        setting: one of ``csc``, ``cdc``, ``mixed``, ``correlated``, ``gradual``. Default: csc.
         stream_seed: seed of the image order and the CDC runs. Default: 0.
+        dirichlet_alpha: ``correlated``: the label concentration. Default: 0.01.
+        dirichlet_slots: ``correlated``: time slots per visit; None: one per batch. Default: None.
     """
 
     def __init__(
@@ -59,10 +64,17 @@ class CIFAR10CDataModule(pl.LightningDataModule):
         batch_size: int = 200,
         setting: str = "csc",
         stream_seed: int = 0,
+        dirichlet_alpha: float = 0.01,
+        dirichlet_slots: int | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= severity <= 5:
             raise ValueError(f"CIFAR10CDataModule: severity={severity!r}; allowed: 1..5")
+        if setting not in STREAM_SETTINGS:
+            raise ValueError(f"CIFAR10CDataModule: setting={setting!r}; allowed: {', '.join(STREAM_SETTINGS)}")
+        if not dirichlet_alpha > 0:
+            raise ValueError(f"CIFAR10CDataModule: dirichlet_alpha={dirichlet_alpha}; allowed: > 0")
+        self.dirichlet_alpha, self.dirichlet_slots = dirichlet_alpha, dirichlet_slots
         self.data_dir, self.cifar10_dir = data_dir, cifar10_dir
         self.corruptions = list(CIFAR10C_CORRUPTIONS) if corruptions is None else list(corruptions)
         self.severity, self.recurrences, self.batch_size = severity, recurrences, batch_size
@@ -78,21 +90,40 @@ class CIFAR10CDataModule(pl.LightningDataModule):
         n = len(all_labels) // 5  # 10000 images per severity in the standard release
         lo, hi = (self.severity - 1) * n, self.severity * n
         labels = torch.from_numpy(all_labels[lo:hi]).long()
+        gradual = self.setting == "gradual"
         images: dict[int, np.ndarray] = {}
         for d, name in enumerate(self.corruptions):  # uint8 in memory (30 MB per corruption); floats per batch
             path = os.path.join(self.data_dir, f"{name}.npy")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"CIFAR10CDataModule: {path!r} is missing")
-            images[d] = np.ascontiguousarray(np.load(path, mmap_mode="r")[lo:hi])
+            whole = np.load(path, mmap_mode="r")
+            images[d] = whole if gradual else np.ascontiguousarray(whole[lo:hi])  # gradual: every severity, from disk
         per_visit = max(1, n // self.batch_size)
         order = corruption_stream(self.corruptions, self.recurrences, per_visit, self.setting, self.stream_seed)
         g = torch.Generator().manual_seed(self.stream_seed)
-        plan, cursor, perms = [], {}, {}
-        for d, r in order:
-            if cursor.get(d, per_visit) >= per_visit:  # a new visit: a new image order
-                cursor[d], perms[d] = 0, torch.randperm(n, generator=g)
-            plan.append((d, r, perms[d][cursor[d] * self.batch_size : (cursor[d] + 1) * self.batch_size]))
-            cursor[d] += 1
+        plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
+        if self.setting in ("csc", "cdc"):
+            cursor, perms = {}, {}
+            for d, r in order:
+                if cursor.get(d, per_visit) >= per_visit:  # a new visit: a new image order
+                    cursor[d], perms[d] = 0, torch.randperm(n, generator=g)
+                idx = perms[d][cursor[d] * self.batch_size : (cursor[d] + 1) * self.batch_size]
+                plan.append((torch.full((len(idx),), d), r, idx, torch.zeros(len(idx), dtype=torch.long)))
+                cursor[d] += 1
+        else:
+            from lowrank_lit.data.stream import dirichlet_order, severity_ramp
+
+            for d, r, n_batches in visits(order):
+                perm = torch.randperm(n, generator=g)[: n_batches * self.batch_size]
+                if self.setting == "correlated":
+                    perm = perm[dirichlet_order(labels[perm], self.dirichlet_slots or n_batches, self.dirichlet_alpha, g)]
+                ramp = severity_ramp(n_batches)
+                for j, idx in enumerate(torch.split(perm, self.batch_size)):
+                    k = len(idx)
+                    doms = torch.randint(len(self.corruptions), (k,), generator=g) if self.setting == "mixed" else torch.full((k,), d)
+                    # row offset of the severity block: the gradual ramp's, else the loaded block (offset 0)
+                    offset = torch.full((k,), (ramp[j] - 1) * n if gradual else 0)
+                    plan.append((doms, r, idx, offset))
         self.stream = _LazyStream(images, labels, plan)
 
     def source_dataloader(self, batch_size: int | None = None, generator: torch.Generator | None = None) -> DataLoader:
@@ -113,7 +144,8 @@ class CIFAR10CDataModule(pl.LightningDataModule):
 class _LazyStream(StreamDataset):
     """Stream batches built on access (the whole stream would not fit in memory as floats)."""
 
-    def __init__(self, images: dict[int, np.ndarray], labels: torch.Tensor, plan: list[tuple[int, int, torch.Tensor]]) -> None:
+    def __init__(self, images: dict[int, np.ndarray], labels: torch.Tensor,
+                 plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]) -> None:
         super().__init__([])
         self.images, self.labels, self.plan = images, labels, plan
 
@@ -121,6 +153,14 @@ class _LazyStream(StreamDataset):
         return len(self.plan)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        d, r, idx = self.plan[i]
+        doms, r, idx, offset = self.plan[i]  # per image: corruption, index, row offset of its severity block
         n = len(idx)
-        return _to_tensor(self.images[d][idx.numpy()]), self.labels[idx], torch.full((n,), d), torch.full((n,), r)
+        out = np.empty((n, 32, 32, 3), dtype=np.uint8)
+        for d in torch.unique(doms).tolist():
+            sel = (doms == d).numpy()
+            rows = (idx + offset).numpy()[sel]
+            order = np.argsort(rows)  # sorted reads from a memory-mapped file
+            block = np.empty((len(rows), 32, 32, 3), dtype=np.uint8)
+            block[order] = self.images[d][rows[order]]
+            out[sel] = block
+        return _to_tensor(out), self.labels[idx], doms.clone(), torch.full((n,), r)

@@ -154,6 +154,69 @@ def test_reservoir_tta_csc_cifar10c(tmp_path, cifar10):
     assert (run / "tta_batches.csv").is_file()
 
 
+def _grid_components(grid: str, axis: str, tmp_path: Path) -> dict[str, Path]:
+    """Each component of a grid axis as a config fragment file (what `lowrank matrix` layers onto the base)."""
+    import yaml
+
+    from lowrank_lit.launch.matrix import load_grid
+
+    out = {}
+    for name, fragment in load_grid(ROOT / "grids" / grid).axes[axis].items():
+        out[name] = tmp_path / f"{axis}.{name}.yaml"
+        out[name].write_text(yaml.safe_dump(fragment or {}))
+    return out
+
+
+def test_tta_table_cifar10c(tmp_path, cifar10):
+    """Every method of grids/tta_cifar10c.yaml, the reservoir plug-in and every stream order on the CIFAR-10-C
+    release layout, through the header command of configs/tta/cifar10c_tent.yaml."""
+    source = _rehearse("q3r/vit_tiny_cifar10_adamw.yaml", {"data.init_args.data_dir": cifar10},
+                       [*CPU, *FIT_STEPS, "--test_after_fit=false", "--data.init_args.val_size=20"], tmp_path / "src")
+    from lowrank_lit.data.cifar_c import CIFAR10C_CORRUPTIONS
+
+    data = fx.cifar10_c(tmp_path / "CIFAR-10-C", CIFAR10C_CORRUPTIONS)
+    paths = {"data.init_args.data_dir": data, "data.init_args.cifar10_dir": cifar10,
+             "model.init_args.source_ckpt": str(source / "checkpoints" / "last.ckpt")}
+    small = [*CPU, "--data.init_args.recurrences=1", "--data.init_args.batch_size=10",
+             "--data.init_args.corruptions=[gaussian_noise, fog, contrast]"]
+    methods = _grid_components("tta_cifar10c.yaml", "method", tmp_path)
+    plugins = _grid_components("tta_cifar10c.yaml", "plugin", tmp_path)
+    cells = [("method", m, [], "csc") for m in methods]
+    cells += [("stream", s, [], s) for s in ("cdc", "mixed", "correlated", "gradual")]
+    cells.append(("plugin", "reservoir", ["--config", str(plugins["reservoir"]),
+                                          "--model.init_args.plugin.init_args.n_source_styles=4",
+                                          "--model.init_args.plugin.init_args.buffer_size=16"], "csc"))
+    for axis, name, more, stream in cells:
+        frag = ["--config", str(methods[name])] if axis == "method" else []
+        run = _rehearse("tta/cifar10c_tent.yaml", paths, [*small, *frag, *more, f"--data.init_args.setting={stream}"],
+                        tmp_path / "runs" / f"{axis}_{name}")
+        metrics = _finite(run, "test/error", "cost/step_s", "test/state_mb")
+        if stream == "mixed":
+            assert metrics["test/domains_per_batch"] > 1
+
+
+def test_tta_table_imagenetc(tmp_path):
+    """Every method of grids/tta_imagenetc.yaml (TRUST included) on the ImageNet-C release layout with a tiny
+    VMamba, through the header command of configs/tta/imagenetc_tent.yaml."""
+    from lowrank_lit.data.imagenet_c import IMAGENET_C_CORRUPTIONS
+
+    data = fx.imagenet_c(tmp_path / "ImageNet-C", IMAGENET_C_CORRUPTIONS[:3], classes=3, per_class=2)
+    model = ["--model.init_args.model.init_args.dim=[8, 16, 32, 64]", "--model.init_args.model.init_args.depth=[1, 1, 2, 1]",
+             "--model.init_args.model.init_args.img_size=32", "--data.init_args.img_size=32", "--data.init_args.resize=36"]
+    from lowrank_lit.models.vmamba import TinyVMamba
+
+    torch.manual_seed(0)
+    ckpt = tmp_path / "vmamba.pth"
+    torch.save(TinyVMamba(in_chans=3, num_classes=1000, dim=[8, 16, 32, 64], depth=[1, 1, 2, 1], d_state=1, img_size=32,
+                          stem_stride=4, norm="ln2d", ssm_bias=False).state_dict(), ckpt)
+    paths = {"data.init_args.data_dir": data, "model.init_args.source_ckpt": str(ckpt)}
+    small = [*CPU, *model, "--data.init_args.batch_size=3", "--data.init_args.num_workers=0",
+             f"--data.init_args.corruptions=[{', '.join(IMAGENET_C_CORRUPTIONS[:3])}]"]
+    for name, frag in _grid_components("tta_imagenetc.yaml", "method", tmp_path).items():
+        run = _rehearse("tta/imagenetc_tent.yaml", paths, [*small, "--config", str(frag)], tmp_path / "runs" / name)
+        _finite(run, "test/error", "test/state_mb")
+
+
 # ----------------------------------------------------------------------------------------- IS-LowRank -> NanoAdam
 TINY_LLAMA = ["--model.init_args.backbone.init_args.hidden_size=32", "--model.init_args.backbone.init_args.num_layers=2",
               "--model.init_args.backbone.init_args.num_heads=4", "--model.init_args.backbone.init_args.intermediate_size=64",
