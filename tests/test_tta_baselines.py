@@ -312,3 +312,49 @@ def test_reservoir_plugs_into_any_method_from_a_fragment(bn_source, run_root):
                    "--data.init_args.batches_per_visit=2", "--run_id", "res", run_root=run_root) == 0
     logged = last_values(run_root / "tta" / "digits_sar" / "res" / "metrics.csv")
     assert logged["test/models"] >= 1 and "test/clusters" in logged
+
+
+# -- must show: the checks the table has to make visible ------------------------------------------------------
+
+def _stream_errors(tmp_path, methods: dict[str, list[str]], streams: list[str], seeds: list[int],
+                   extra: list[str] | None = None) -> dict[tuple[str, str], list[float]]:
+    """Online error of each method (CLI overrides onto configs/tta/digits_tent.yaml) on each stream, per seed."""
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    root = tmp_path / "runs"
+    if not (root / "tta" / "source_bn_cnn_digits" / "source").is_dir():
+        assert run_cli("fit", "--config", CONFIGS / "tta" / "source_bn_cnn_digits.yaml", run_root=root) == 0
+    src = root / "tta" / "source_bn_cnn_digits" / "source" / "checkpoints" / "last.ckpt"
+    out: dict[tuple[str, str], list[float]] = {}
+    for name, args in methods.items():
+        for stream in streams:
+            for seed in seeds:
+                rid = f"{name}_{stream}_{seed}"
+                assert run_cli("test", "--config", CONFIGS / "tta" / "digits_tent.yaml", *args, *(extra or []),
+                               f"--model.init_args.source_ckpt={src}", f"--data.init_args.setting={stream}",
+                               f"--seed_everything={seed}", "--trainer.callbacks=[]", "--run_id", rid, run_root=root) == 0
+                out.setdefault((name, stream), []).append(last_values(root / "tta" / "digits_tent" / rid / "metrics.csv")["test/error"])
+    return out
+
+
+@pytest.mark.slow
+def test_must_show_batch_statistics_fail_under_label_correlation_and_source_ignores_the_order(tmp_path):
+    """Seeds 0-2 on digits-C with the BatchNorm source CNN: Tent and AdaBN are worse on the label-correlated stream
+    than on CSC, LAME and RoTTA lose less there than either; the source model's error is the same on every stream
+    order (CSC, CDC, mixed, correlated) up to sampling noise."""
+    import statistics as st
+
+    methods = {"source": ["--model.init_args.method=lowrank_lit.tta.SourceOnly", "--model.init_args.method.init_args.batch_stats=false"],
+               "bn": ["--model.init_args.method=lowrank_lit.tta.SourceOnly", "--model.init_args.method.init_args.batch_stats=true"],
+               "tent": [], "lame": ["--model.init_args.method=lowrank_lit.tta.LAME"],
+               "rotta": ["--model.init_args.method=lowrank_lit.tta.RoTTA"]}
+    err = _stream_errors(tmp_path, methods, ["csc", "correlated"], [0, 1, 2])
+    err.update(_stream_errors(tmp_path, {"source": methods["source"]}, ["cdc", "mixed"], [0, 1, 2]))
+    mean = {k: st.fmean(v) for k, v in err.items()}
+    drop = {m: mean[(m, "correlated")] - mean[(m, "csc")] for m in methods}
+    assert drop["tent"] > 0.05 and drop["bn"] > 0.05, (drop, mean)
+    for robust in ("lame", "rotta"):
+        assert drop[robust] < min(drop["tent"], drop["bn"]), (robust, drop, mean)
+    for stream in ("cdc", "mixed", "correlated"):
+        assert abs(mean[("source", stream)] - mean[("source", "csc")]) < 0.02, (stream, mean)
