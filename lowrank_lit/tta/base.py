@@ -235,7 +235,7 @@ class TTAWrapper(TTAMethod):
     def __init__(self, method: TTAMethod) -> None:
         if not isinstance(method, TTAMethod):
             raise ValueError(f"{type(self).__name__}: method={method!r}; allowed: any single-model TTAMethod (Tent, EATA, "
-                             "CoTTA, SourceOnly, TRUST, TrustNaive, or your own subclass)")
+                             "CoTTA, SAR, RoTTA, LAME, SourceOnly, TRUST, TrustNaive, or your own subclass)")
         self.method = method
         self.lr, self.betas = method.lr, method.betas
 
