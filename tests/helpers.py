@@ -49,6 +49,17 @@ def run_cli(*args: Any, run_root: Path) -> int:
     return main([str(a) for a in args] + ["--run_root", str(run_root)])
 
 
+def fitted_checkpoint(config: str, run_root: Path, *overrides: str) -> Path:
+    """Fit ``configs/<config>`` (a config with a fixed ``run_id``, e.g. a source model) under ``run_root`` with
+    ``overrides`` and no test after fit; returns its ``checkpoints/last.ckpt``."""
+    import yaml
+
+    path = CONFIGS / config
+    assert run_cli("fit", "--config", path, *overrides, "--test_after_fit=false", run_root=run_root) == 0
+    cfg = yaml.safe_load(path.read_text())
+    return run_root / cfg["experiment"] / cfg["run_id"] / "checkpoints" / "last.ckpt"
+
+
 def quiet_trainer(**overrides: Any) -> Any:
     """A Lightning ``Trainer`` for tests: CPU, no logger, no checkpoints, no progress bar, no model summary.
 

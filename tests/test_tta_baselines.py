@@ -278,12 +278,9 @@ def test_the_harder_streams_statistics():
 
 @pytest.fixture(scope="module")
 def bn_source(tmp_path_factory):
-    from tests.helpers import CONFIGS, run_cli
+    from tests.helpers import fitted_checkpoint
 
-    root = tmp_path_factory.mktemp("tta_bn_source")
-    assert run_cli("fit", "--config", CONFIGS / "tta" / "source_bn_cnn_digits.yaml", "--trainer.max_epochs=2",
-                   "--test_after_fit=false", run_root=root) == 0
-    return root / "tta" / "source_bn_cnn_digits" / "source" / "checkpoints" / "last.ckpt"
+    return fitted_checkpoint("tta/source_bn_cnn_digits.yaml", tmp_path_factory.mktemp("tta_bn_source"), "--trainer.max_epochs=2")
 
 
 @pytest.mark.parametrize("name", ["digits_tent", "digits_sar", "digits_rotta", "digits_lame"])

@@ -279,12 +279,9 @@ def test_heavy_tailed_groups_gain_over_the_scalar_lattice():
 
 @pytest.fixture(scope="module")
 def fp_ckpt(tmp_path_factory):
-    from tests.helpers import CONFIGS, run_cli
+    from tests.helpers import fitted_checkpoint
 
-    root = tmp_path_factory.mktemp("glvq_fp")
-    assert run_cli("fit", "--config", CONFIGS / "glvq" / "mlp_digits_fp.yaml", "--trainer.max_epochs=2",
-                   "--test_after_fit=false", run_root=root) == 0
-    return root / "glvq" / "mlp_digits_fp" / "fp" / "checkpoints" / "last.ckpt"
+    return fitted_checkpoint("glvq/mlp_digits_fp.yaml", tmp_path_factory.mktemp("glvq_fp"), "--trainer.max_epochs=2")
 
 
 @pytest.mark.parametrize("variant", ["2bit", "3bit", "2bit_sdba", "2bit_scalar", "2bit_rtn"])

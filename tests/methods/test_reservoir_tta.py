@@ -297,13 +297,9 @@ def test_corruptions_and_streams():
 
 @pytest.fixture(scope="module")
 def source_ckpt(tmp_path_factory):
-    from tests.helpers import CONFIGS, run_cli
+    from tests.helpers import fitted_checkpoint
 
-    root = tmp_path_factory.mktemp("tta_source")
-    rc = run_cli("fit", "--config", CONFIGS / "reservoir_tta" / "source_cnn_digits.yaml", "--trainer.max_epochs=1",
-                 "--test_after_fit=false", run_root=root)
-    assert rc == 0
-    return root / "reservoir_tta" / "source_cnn_digits" / "source" / "checkpoints" / "last.ckpt"
+    return fitted_checkpoint("reservoir_tta/source_cnn_digits.yaml", tmp_path_factory.mktemp("tta_source"), "--trainer.max_epochs=1")
 
 
 @pytest.mark.parametrize("name", ["csc_digits.yaml", "csc_digits_tent.yaml", "cdc_digits.yaml"])
