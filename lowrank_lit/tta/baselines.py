@@ -402,8 +402,13 @@ class LAME(TTAMethod):
     def loss(self, logits: torch.Tensor, x: torch.Tensor) -> None:
         return None
 
-    def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.predict(x)  # (B, C), the frozen model's
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """The adjusted output: LAME adapts outputs only, so predicting is all it does (a plug-in that predicts
+        through its copies, such as ReservoirTTA's ensemble, gets the adjustment too)."""
+        logits = super().predict(x)  # (B, C), the frozen model's
         assert self._features is not None
         z = laplacian_adjust(logits.softmax(dim=1), knn_affinity(self._features, self.knn), self.max_iter, self.tol)
         return z.clamp_min(1e-30).log()  # logits whose softmax is z
+
+    def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predict(x)

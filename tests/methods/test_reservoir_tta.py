@@ -429,3 +429,15 @@ def test_reservoir_wraps_cotta_and_eata():
             for x, _ in _batches(2, seed=int(shift) + 40, shift=shift):
                 assert res.forward_and_adapt(x).shape == (16, 10)
         assert res.num_models == 2
+
+
+def test_reservoir_around_lame_keeps_lame_s_adjusted_outputs():
+    """LAME adapts outputs, not weights: the reservoir's copies are identical and its ensemble returns LAME's output."""
+    from lowrank_lit.tta import LAME
+
+    res = _reservoir(LAME(knn=3), max_models=4)
+    alone = LAME(knn=3)
+    alone.setup(_model(), None)
+    for shift in (0.0, 6.0):
+        for x, _ in _batches(2, seed=int(shift) + 50, shift=shift):
+            torch.testing.assert_close(res.forward_and_adapt(x).softmax(1), alone.forward_and_adapt(x).softmax(1))
