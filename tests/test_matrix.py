@@ -129,3 +129,16 @@ def test_seeds_selects_a_subset_and_refuses_others(tmp_path, monkeypatch, capsys
     assert "--seeds: [7] are not seeds of" in capsys.readouterr().err
     assert main(["--config", BASE, "--grid", str(grid), "--seeds", "1", "--check"]) == 0
     assert "1 cells x 1 seeds" in capsys.readouterr().out
+
+
+def test_pivot_puts_one_axis_in_the_columns(tmp_path):
+    from lowrank_lit.launch.matrix import pivot_table
+
+    grid = load_grid(_grid(tmp_path, {"m": {"a": {}, "b": {}}, "s": {"x": {}, "y": {}}}, metrics=("test/error",)))
+    rows = [{"m": m, "s": s, "test/error": e, "test/error min-max": r}
+            for m, s, e, r in (("a", "x", 0.1, "0.05-0.15"), ("a", "y", 0.2, ""), ("b", "x", 0.3, ""), ("b", "y", None, ""))]
+    text = pivot_table(grid, rows, "s")
+    assert text.splitlines()[0] == "| m | test/error s=x | test/error s=y |"
+    assert "| a | 0.100 (0.05-0.15) | 0.200 |" in text and "| b | 0.300 | - |" in text
+    with pytest.raises(GridError, match="not an axis"):
+        pivot_table(grid, rows, "z")

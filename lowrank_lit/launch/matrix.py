@@ -320,6 +320,30 @@ def write_table(grid: Grid, rows: list[dict[str, Any]], root: Path) -> str:
     return text
 
 
+def pivot_table(grid: Grid, rows: list[dict[str, Any]], axis: str) -> str:
+    """The first metric as a compact table: one row per combination of the other axes, one column per component of
+    ``axis`` (mean over seeds, with the min-max range when there are several)."""
+    if axis not in grid.axes:
+        raise GridError(f"--pivot: {axis!r} is not an axis of {grid.path} ({', '.join(grid.axes)})")
+    others = [a for a in grid.axes if a != axis]
+    comps = list(grid.axes[axis])
+    metric = grid.metrics[0]
+    by: dict[tuple[str, ...], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(tuple(r[a] for a in others), {})[r[axis]] = r
+    lines = ["| " + " | ".join([*others, *(f"{metric} {axis}={c}" for c in comps)]) + " |",
+             "|" + "---|" * (len(others) + len(comps))]
+    for key, cells in by.items():
+        out = []
+        for c in comps:
+            r = cells.get(c, {})
+            v = r.get(metric)
+            spread = r.get(f"{metric} min-max") or ""
+            out.append("-" if v is None else f"{v:.3f}" + (f" ({spread})" if spread else ""))
+        lines.append("| " + " | ".join([*key, *out]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_heatmaps(grid: Grid, rows: list[dict[str, Any]], root: Path) -> list[Path]:
     """A heatmap per metric: rows = the first axis' components, columns = the other axes' combinations."""
     from lowrank_lit.report import new_figure, save_figure
@@ -359,7 +383,7 @@ def plot_heatmaps(grid: Grid, rows: list[dict[str, Any]], root: Path) -> list[Pa
 
 
 def main(argv: Sequence[str]) -> int:
-    """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--root DIR] [--jobs N] [--limit N] [--seeds S ...] [--check]``."""
+    """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--root DIR] [--jobs N] [--limit N] [--seeds S ...] [--pivot AXIS] [--check]``."""
     parser = argparse.ArgumentParser(prog="lowrank matrix", description="Run the cross product of config fragments "
                                      "over seeds (a grid sweep) and write one table and a heatmap per metric.")
     parser.add_argument("--config", help="the base config (default: the grid file's `config`)")
@@ -369,6 +393,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--check", action="store_true", help="build every cell and report, run nothing")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many runs in this call (smoke)")
     parser.add_argument("--seeds", type=int, nargs="+", help="run (and tabulate) only these seeds of the grid's")
+    parser.add_argument("--pivot", help="also write the first metric with this axis' components as columns "
+                        "(matrix_pivot.md)")
     opts, extra = parser.parse_known_args(list(argv))
     try:
         grid = load_grid(opts.grid)
@@ -382,6 +408,8 @@ def main(argv: Sequence[str]) -> int:
             if unknown:
                 raise GridError(f"--seeds: {unknown} are not seeds of {opts.grid} ({grid.seeds})")
             grid = dataclasses.replace(grid, seeds=list(opts.seeds))
+        if opts.pivot and opts.pivot not in grid.axes:
+            raise GridError(f"--pivot: {opts.pivot!r} is not an axis of {opts.grid} ({', '.join(grid.axes)})")
     except GridError as exc:
         print(f"lowrank matrix: error: {exc}", file=sys.stderr)
         return 2
@@ -415,6 +443,10 @@ def main(argv: Sequence[str]) -> int:
                   "command again to continue", file=sys.stderr)
     rows = collect(grid, base, root, name, files, bad, extra)
     print(write_table(grid, rows, root))
+    if opts.pivot:
+        pivot = pivot_table(grid, rows, opts.pivot)
+        (root / "matrix_pivot.md").write_text(pivot)
+        print(pivot)
     for path in plot_heatmaps(grid, rows, root):
         print(f"heatmap: {path}")
     print(f"table: {root / 'matrix.md'} (and matrix.csv)")
