@@ -142,3 +142,22 @@ def test_pivot_puts_one_axis_in_the_columns(tmp_path):
     assert "| a | 0.100 (0.05-0.15) | 0.200 |" in text and "| b | 0.300 | - |" in text
     with pytest.raises(GridError, match="not an axis"):
         pivot_table(grid, rows, "z")
+
+
+def test_each_seed_is_its_own_study_of_the_cells_not_finished_on_disk(tmp_path):
+    """A subset of seeds, a restart or an edited grid never reopens a study with another parameter space: per seed,
+    the sweep holds the cells without a finished run of that seed, and its study name carries their digest."""
+    from lowrank_lit.launch.matrix import prepare, sweep_files
+
+    grid = load_grid(_grid(tmp_path, {"opt": {"a": {}, "b": {}}}, seeds=(0, 1)))
+    files = prepare(grid, BASE, tmp_path / "m", "g")
+    first = sweep_files(grid, BASE, tmp_path / "m", "g", files, set())
+    assert [(s, c) for s, _, _, c in first] == [(0, 2), (1, 2)]
+    run = tmp_path / "m" / "g" / "opt.a" / "r0"  # a finished run of cell opt.a, seed 1
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("seed_everything: 1\n")
+    (run / "metrics.csv").write_text("step,test/acc\n0,0.5\n")
+    again = sweep_files(grid, BASE, tmp_path / "m", "g", files, set())
+    assert [(s, c) for s, _, _, c in again] == [(0, 2), (1, 1)]
+    assert again[0][2] == first[0][2] and again[1][2] != first[1][2]  # seed 1's parameter space changed: a new study
+    assert yaml.safe_load(again[1][1].read_text())["parameters"]["config"]["values"] == [str(files["opt.b"])]

@@ -22,9 +22,10 @@ dotted keys) that are layered onto the base config in axis order::
 2. every cell is built (model, data, callbacks: ``lowrank fit``'s parser and constructors, no training); a cell
    that fails is named in one line with the two components responsible (each fragment alone on the base, then
    each pair) and marked ``incompatible`` in the table; it never runs;
-3. the other cells are a W&B grid sweep file (``<root>/matrix.sweep.yaml``: ``config`` x ``seed_everything``) that
-   ``lowrank sweep`` runs: ``--jobs N`` starts N workers on one study, a SLURM array runs the same file
-   (``lowrank submit``), and running the command again skips every finished cell;
+3. per seed, the cells without a finished run of that seed are a W&B grid sweep file
+   (``<root>/matrix.seed<S>.sweep.yaml``: ``config`` x ``seed_everything``) that ``lowrank sweep`` runs: ``--jobs N``
+   starts N workers on one study, a SLURM array runs the same file (``lowrank submit``), and running the command
+   again (or with other ``--seeds``) runs only what is not finished on disk;
 4. the table (``<root>/matrix.csv`` and ``matrix.md``: per cell the mean and spread over seeds of each metric,
    the run folders and the command that reproduces each run) and a heatmap per metric (``matrix_<metric>.png``).
 """
@@ -236,21 +237,45 @@ def check_cells(grid: Grid, base: str, root: Path, files: dict[str, Path]) -> di
     return bad
 
 
-def sweep_file(grid: Grid, base: str, root: Path, files: dict[str, Path], skip: set[str]) -> Path:
-    """The W&B grid sweep of the runnable cells (``config`` x ``seed_everything``)."""
-    spec = {
-        "program": "lowrank_lit/__main__.py",
-        "method": "grid",
-        "metric": {"name": grid.metrics[0], "goal": grid.goal},
-        "parameters": {"config": {"values": [str(p) for n, p in files.items() if n not in skip]},
-                       "seed_everything": {"values": list(grid.seeds)}},
-        "command": ["${env}", "${interpreter}", "-m", "lowrank_lit", grid.verb, "--config", base, "${args}"],
-    }
-    path = root / "matrix.sweep.yaml"
-    text = f"# written by lowrank matrix from {grid.path}\n" + yaml.safe_dump(spec, sort_keys=False)
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-    return path
+def _finished_seeds(root: Path, name: str, cell: str, metric: str) -> set[int]:
+    """The seeds of the cell's runs that logged ``metric`` (finished runs)."""
+    from lowrank_lit.report import last_values
+
+    seeds = set()
+    for run in _runs(root, name, cell):
+        if (run / "metrics.csv").is_file() and metric in last_values(run / "metrics.csv"):
+            seed = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("seed_everything")
+            if seed is not None:
+                seeds.add(int(seed))
+    return seeds
+
+
+def sweep_files(grid: Grid, base: str, root: Path, name: str, files: dict[str, Path],
+                skip: set[str]) -> list[tuple[int, Path, str, int]]:
+    """Per seed, the W&B grid sweep of the runnable cells without a finished run of that seed: ``(seed, sweep file,
+    study name, cells)``. The study name carries a digest of the cells it holds, so a restart, a changed grid or a
+    subset of its seeds never meets a study with another parameter space; seeds with nothing left are left out."""
+    import hashlib
+
+    out = []
+    for seed in grid.seeds:
+        todo = [str(p) for n, p in files.items() if n not in skip and seed not in _finished_seeds(root, name, n, grid.metrics[0])]
+        if not todo:
+            continue
+        spec = {
+            "program": "lowrank_lit/__main__.py",
+            "method": "grid",
+            "metric": {"name": grid.metrics[0], "goal": grid.goal},
+            "parameters": {"config": {"values": todo}, "seed_everything": {"values": [seed]}},
+            "command": ["${env}", "${interpreter}", "-m", "lowrank_lit", grid.verb, "--config", base, "${args}"],
+        }
+        path = root / f"matrix.seed{seed}.sweep.yaml"
+        text = f"# written by lowrank matrix from {grid.path}\n" + yaml.safe_dump(spec, sort_keys=False)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+        digest = hashlib.sha256("\n".join(todo).encode()).hexdigest()[:8]
+        out.append((seed, path, f"{name}-seed{seed}-{digest}", len(todo)))
+    return out
 
 
 def _runs(root: Path, name: str, cell: str) -> list[Path]:
@@ -422,25 +447,29 @@ def main(argv: Sequence[str]) -> int:
         print(f"lowrank matrix: {cell}: incompatible: {why}", file=sys.stderr)
     runnable = len(files) - len(bad)
     print(f"{len(files)} cells x {len(grid.seeds)} seeds: {runnable} cells build, {len(bad)} incompatible", flush=True)
-    if runnable:
-        sweep = sweep_file(grid, base, root, files, set(bad))
+    pending = sweep_files(grid, base, root, name, files, set(bad)) if runnable else []
+    for seed, sweep, study, cells in pending:
         submit = ["lowrank", "submit", "--sweep", str(sweep), "--array", "K", "--storage", str(root / "matrix.journal"),
-                  "--study-name", name, "--run-root", str(root), *extra]
-        print(f"on SLURM, K workers: {shlex.join(submit)}; then this command again writes the table")
+                  "--study-name", study, "--run-root", str(root), *extra]
+        print(f"on SLURM, K workers: {shlex.join(submit)}; then this command again writes the table "
+              f"(seed {seed}: {cells} cells to run)")
     if opts.check:
         return 0 if not bad else 1
-    if runnable:
+    budget = opts.limit
+    for _seed, sweep, study, cells in pending:
+        n = cells if budget is None else min(cells, budget)
+        if n <= 0:
+            break
         cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(sweep), "--run-root", str(root), "--no-wandb",
-               "--storage", str(root / "matrix.journal"), "--study-name", name, *extra]
-        if opts.limit is not None:
-            cmd += ["--n-trials", str(max(1, opts.limit // opts.jobs))]
-        else:
-            cmd += ["--n-trials", str(runnable * len(grid.seeds))]
-        workers = [subprocess.Popen(cmd) for _ in range(opts.jobs)]
+               "--storage", str(root / "matrix.journal"), "--study-name", study, "--n-trials",
+               str(max(1, n // opts.jobs) if budget is not None else n), *extra]
+        workers = [subprocess.Popen(cmd) for _ in range(min(opts.jobs, n))]
         codes = [w.wait() for w in workers]
         if any(c not in (0, 1) for c in codes):  # 1: no trial completed in that worker (e.g. all taken)
             print(f"lowrank matrix: a sweep worker exited with {max(codes)}; finished cells are kept, run the same "
                   "command again to continue", file=sys.stderr)
+        if budget is not None:
+            budget -= n
     rows = collect(grid, base, root, name, files, bad, extra)
     print(write_table(grid, rows, root))
     if opts.pivot:
