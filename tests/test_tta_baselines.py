@@ -355,3 +355,19 @@ def test_must_show_batch_statistics_fail_under_label_correlation_and_source_igno
         assert drop[robust] < min(drop["tent"], drop["bn"]), (robust, drop, mean)
     for stream in ("cdc", "mixed", "correlated"):
         assert abs(mean[("source", stream)] - mean[("source", "csc")]) < 0.02, (stream, mean)
+
+
+def test_the_table_grid_runs_a_limited_smoke(bn_source, tmp_path, monkeypatch, capsys):
+    """`lowrank matrix --grid grids/tta.yaml --limit 2` with a short stream: two cells run and land in the table."""
+    from lowrank_lit.launch.matrix import main
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    root = tmp_path / "m"
+    assert main(["--grid", "grids/tta.yaml", "--root", str(root), "--limit", "2", "--seeds", "0", "--pivot", "stream",
+                 f"--model.init_args.source_ckpt={bn_source}", "--data.init_args.recurrences=1",
+                 "--data.init_args.batches_per_visit=2"]) == 0
+    table = (root / "matrix.md").read_text()
+    assert table.count("| 1/1 runs |") + table.count("| done |") == 2
+    assert (root / "matrix_pivot.md").read_text().startswith("| method | plugin | test/error stream=csc")
