@@ -772,7 +772,7 @@ def best_config(spec: SweepSpec, study: Any, out_path: Path) -> Path:
     cfg.pop("config", None)
     header = (
         f"# Best trial {best.number} of sweep {spec.path} ({spec.metric} = {best.value:.6g}, {spec.goal}).\n"
-        f"# Run: lowrank fit --config {out_path}\n"
+        f"# Run: lowrank {spec.fit_args[0]} --config {out_path}\n"
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(header + parser.dump(cfg, skip_none=False))
@@ -885,5 +885,5 @@ def _report(spec: SweepSpec, study: Any, opts: Any, stopped: bool) -> int:
     best_config(spec, study, out)
     print(f"\nbest{' so far' if stopped else ''}: trial {best.number}  {spec.metric}={best.value:.6g}  "
           + " ".join(best.user_attrs.get("overrides", [])))
-    print(f"best config: {out}\n  lowrank fit --config {out}")
+    print(f"best config: {out}\n  lowrank {spec.fit_args[0]} --config {out}")
     return 0
