@@ -237,17 +237,16 @@ def check_cells(grid: Grid, base: str, root: Path, files: dict[str, Path]) -> di
     return bad
 
 
-def _finished_seeds(root: Path, name: str, cell: str, metric: str) -> set[int]:
-    """The seeds of the cell's runs that logged ``metric`` (finished runs)."""
+def _finished_runs(root: Path, name: str, cell: str, metric: str) -> list[tuple[Any, dict[str, float]]]:
+    """The cell's finished runs (those that logged ``metric``): their seed and last logged values."""
     from lowrank_lit.report import last_values
 
-    seeds = set()
+    out = []
     for run in _runs(root, name, cell):
-        if (run / "metrics.csv").is_file() and metric in last_values(run / "metrics.csv"):
-            seed = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("seed_everything")
-            if seed is not None:
-                seeds.add(int(seed))
-    return seeds
+        got = last_values(run / "metrics.csv") if (run / "metrics.csv").is_file() else {}
+        if metric in got:
+            out.append(((yaml.safe_load((run / "config.yaml").read_text()) or {}).get("seed_everything"), got))
+    return out
 
 
 def sweep_files(grid: Grid, base: str, root: Path, name: str, files: dict[str, Path],
@@ -257,9 +256,10 @@ def sweep_files(grid: Grid, base: str, root: Path, name: str, files: dict[str, P
     subset of its seeds never meets a study with another parameter space; seeds with nothing left are left out."""
     import hashlib
 
+    finished = {n: {seed for seed, _ in _finished_runs(root, name, n, grid.metrics[0])} for n in files if n not in skip}
     out = []
     for seed in grid.seeds:
-        todo = [str(p) for n, p in files.items() if n not in skip and seed not in _finished_seeds(root, name, n, grid.metrics[0])]
+        todo = [str(files[n]) for n, done in finished.items() if seed not in done]
         if not todo:
             continue
         spec = {
@@ -286,8 +286,6 @@ def _runs(root: Path, name: str, cell: str) -> list[Path]:
 def collect(grid: Grid, base: str, root: Path, name: str, files: dict[str, Path], bad: dict[str, str],
             extra: Sequence[str] = ()) -> list[dict[str, Any]]:
     """One row per cell: each metric's mean and min-max over its finished runs, the runs and their commands."""
-    from lowrank_lit.report import last_values
-
     rows = []
     for cell in grid.cells():
         cname = cell_name(cell)
@@ -297,13 +295,7 @@ def collect(grid: Grid, base: str, root: Path, name: str, files: dict[str, Path]
             continue
         values: dict[str, list[float]] = {m: [] for m in grid.metrics}
         commands, seeds = [], []
-        for run in _runs(root, name, cname):
-            metrics_csv = run / "metrics.csv"
-            got = last_values(metrics_csv) if metrics_csv.is_file() else {}
-            if grid.metrics[0] not in got:
-                continue
-            cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
-            seed = cfg.get("seed_everything")
+        for seed, got in _finished_runs(root, name, cname, grid.metrics[0]):
             seeds.append(seed)
             for m in grid.metrics:
                 if m in got:
