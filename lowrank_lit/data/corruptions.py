@@ -261,14 +261,9 @@ class DigitsCorruptionDataModule(DigitsDataModule):
             self.stream = StreamDataset(self._harder_stream(x, y, g))
             return
         batches = []
-        pool = torch.empty(0, dtype=torch.long)
+        pool = [torch.empty(0, dtype=torch.long)]
         for d, r in self.order:
-            if self.sampling == "random":
-                idx = torch.randperm(len(y), generator=g)[: self.batch_size]
-            else:  # the next slice of shuffled passes over the held-out images
-                while len(pool) < min(self.batch_size, len(y)):
-                    pool = torch.cat([pool, torch.randperm(len(y), generator=g)])
-                idx, pool = pool[: self.batch_size], pool[self.batch_size:]
+            idx = self._draw(len(y), g, pool)
             name = self.corruptions[d]
             xb = corrupt(x[idx], name, g, self.levels.get(name))
             n = len(idx)
@@ -276,10 +271,11 @@ class DigitsCorruptionDataModule(DigitsDataModule):
         self.stream = StreamDataset(batches)
 
     def _draw(self, n: int, g: torch.Generator, pool: list[torch.Tensor]) -> torch.Tensor:
-        """The held-out indices of the next batch (``sampling``)."""
+        """The held-out indices of the next batch (``sampling``); ``pool`` holds the rest of the current shuffled
+        passes (``epoch``) and is updated in place."""
         if self.sampling == "random":
             return torch.randperm(n, generator=g)[: self.batch_size]
-        while len(pool[0]) < min(self.batch_size, n):
+        while len(pool[0]) < min(self.batch_size, n):  # the next slice of shuffled passes over the held-out images
             pool[0] = torch.cat([pool[0], torch.randperm(n, generator=g)])
         idx, pool[0] = pool[0][: self.batch_size], pool[0][self.batch_size:]
         return idx

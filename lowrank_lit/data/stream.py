@@ -76,8 +76,9 @@ def stream_loader(dataset: SeededBatches) -> ResumableDataLoader:
 def dirichlet_order(labels: torch.Tensor, n_slots: int, alpha: float, generator: torch.Generator) -> torch.Tensor:
     """A permutation of ``labels (N,)`` whose classes are correlated in time: for every class a Dirichlet(``alpha``)
     draw over ``n_slots`` consecutive time slots says which share of its samples goes to each slot; the slots are
-    concatenated in order, and inside a slot each class's samples come together (classes in random order). ``alpha`` -> 0: every class in one slot; large ``alpha``: every
-    class spread evenly over the slots (with one slot per batch, every batch holds every class).
+    concatenated in order, and inside a slot each class's samples come together (classes in random order).
+    ``alpha`` -> 0: every class in one slot; large ``alpha``: every class spread evenly over the slots (with one
+    slot per batch, every batch holds every class).
 
     Raises:
         ValueError: ``n_slots < 1`` or ``alpha <= 0``.

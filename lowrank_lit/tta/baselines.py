@@ -305,13 +305,17 @@ class RoTTA(TTAMethod):
         return logits
 
     # -- state ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _robust_stats(model: nn.Module) -> list[torch.Tensor]:
+        """The global statistics buffers of every :class:`RobustBatchNorm` of ``model``, in order."""
+        return [b for m in model.modules() if isinstance(m, RobustBatchNorm) for b in (m.mean, m.var)]
+
     def _stats(self, model: nn.Module) -> list[torch.Tensor]:
-        return [b.detach().clone() for m in model.modules() if isinstance(m, RobustBatchNorm) for b in (m.mean, m.var)]
+        return [b.detach().clone() for b in self._robust_stats(model)]
 
     def _load_stats(self, model: nn.Module, values: list[torch.Tensor]) -> None:
-        bufs = [b for m in model.modules() if isinstance(m, RobustBatchNorm) for b in (m.mean, m.var)]
         with torch.no_grad():
-            for b, v in zip(bufs, values, strict=True):
+            for b, v in zip(self._robust_stats(model), values, strict=True):
                 b.copy_(v)
 
     def extra_state(self) -> dict[str, Any]:

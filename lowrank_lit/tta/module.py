@@ -151,13 +151,14 @@ class TTAModule(pl.LightningModule):
         err = float(wrong.mean())
         entropy = float(-(logits.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1).mean())  # Tent's objective
         doms = batch[2] if len(batch) > 2 else torch.zeros(len(x), dtype=torch.long)
-        for d in torch.unique(doms).tolist():  # per-sample accounting: a mixed batch holds several domains
+        present = torch.unique(doms).tolist()
+        for d in present:  # per-sample accounting: a mixed batch holds several domains
             sel = doms == d
             acc = self._per_domain.setdefault(int(d), [0.0, 0])
             acc[0] += float(wrong[sel].sum())
             acc[1] += int(sel.sum())
         row = {"batch": batch_idx, "domain": domain, "recurrence": rec, "n": len(x), "error": err, "entropy": entropy,
-               "label_entropy": label_entropy(y, logits.shape[1]), "domains": len(torch.unique(doms))}
+               "label_entropy": label_entropy(y, logits.shape[1]), "domains": len(present)}
         cluster = self.method.last_cluster
         if cluster is not None:
             row["cluster"] = cluster
@@ -186,7 +187,8 @@ class TTAModule(pl.LightningModule):
         from lowrank_lit.bench import tensor_bytes
 
         # what the method holds besides the network: adapted copies, optimizer moments, teachers, memory banks
-        self.log("test/state_mb", tensor_bytes(self.method.stream_state()) / 2**20)
+        stream_state = self.method.stream_state()
+        self.log("test/state_mb", tensor_bytes(stream_state) / 2**20)
         accs = []
         for d in sorted(self._per_domain):
             acc = 1.0 - errors[d]
@@ -203,7 +205,7 @@ class TTAModule(pl.LightningModule):
             self._save(per_rec, {label[d]: e for d, e in errors.items()})
             from lowrank_lit.artifacts import save_state
 
-            save_state(artifact_path(self.trainer, "stream_state"), self.method.stream_state(),
+            save_state(artifact_path(self.trainer, "stream_state"), stream_state,
                        {"method": type(self.method).__name__, "source_digest": self._source_digest,
                         "batches": len(self.rows)})
 
