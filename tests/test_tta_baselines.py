@@ -1,7 +1,8 @@
 """The test-time adaptation baselines (SAR, RoTTA, LAME) and the harder streams (mixed, correlated, gradual).
 
 Update rules against hand computations on small cases, stream statistics, mid-stream resume, and the configs of
-the digits-C table (configs/tta/source_bn_cnn_digits.yaml, digits_tent, digits_sar, digits_rotta, digits_lame).
+the digits-C table (configs/tta/source_bn_cnn_digits.yaml, digits_tent, digits_sar, digits_rotta, digits_lame;
+TRUST's rows: digits_trust).
 """
 
 from __future__ import annotations
@@ -311,6 +312,41 @@ def test_reservoir_plugs_into_any_method_from_a_fragment(bn_source, run_root):
     assert logged["test/models"] >= 1 and "test/clusters" in logged
 
 
+@pytest.fixture(scope="module")
+def ln_vmamba_source(tmp_path_factory):
+    from tests.helpers import fitted_checkpoint
+
+    return fitted_checkpoint("trust/source_vmamba_digits_ln.yaml", tmp_path_factory.mktemp("tta_ln_source"),
+                             "--trainer.max_epochs=1")
+
+
+@pytest.mark.parametrize("setting", ["correlated", "mixed"])
+def test_trust_row_config_runs_on_the_harder_streams(setting, ln_vmamba_source, run_root):
+    """configs/tta/digits_trust.yaml (TRUST's rows of the table, grids/tta_vmamba.yaml) on a short stream."""
+    from lowrank_lit.report import last_values
+    from tests.helpers import CONFIGS, run_cli
+
+    assert run_cli("test", "--config", CONFIGS / "tta" / "digits_trust.yaml", f"--model.init_args.source_ckpt={ln_vmamba_source}",
+                   f"--data.init_args.setting={setting}", "--data.init_args.recurrences=1",
+                   "--data.init_args.batches_per_visit=2", "--model.init_args.method.init_args.k=2",
+                   "--run_id", "smoke", run_root=run_root) == 0
+    logged = last_values(run_root / "tta" / "digits_trust" / "smoke" / "metrics.csv")
+    assert 0 <= logged["test/error"] <= 1 and logged["cost/step_s"] > 0
+    if setting == "mixed":
+        assert logged["test/domains_per_batch"] >= 4
+
+
+def test_the_trust_rows_grid_builds_every_cell(ln_vmamba_source, tmp_path, monkeypatch, capsys):
+    """`lowrank matrix --grid grids/tta_vmamba.yaml --check`: every method fragment fits the VMamba base config."""
+    from lowrank_lit.launch.matrix import main
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    assert main(["--grid", "grids/tta_vmamba.yaml", "--root", str(tmp_path / "m"), "--check",
+                 f"--model.init_args.source_ckpt={ln_vmamba_source}"]) == 0
+    assert "30 cells build, 0 incompatible" in capsys.readouterr().out
+
+
 # -- must show: the checks the table has to make visible ------------------------------------------------------
 
 def _stream_errors(tmp_path, methods: dict[str, list[str]], streams: list[str], seeds: list[int],
@@ -371,3 +407,67 @@ def test_the_table_grid_runs_a_limited_smoke(bn_source, tmp_path, monkeypatch, c
     table = (root / "matrix.md").read_text()
     assert table.count("| 1/1 runs |") + table.count("| done |") == 2
     assert (root / "matrix_pivot.md").read_text().startswith("| method | plugin | test/error stream=csc")
+
+
+# -- the releases' streams (CIFAR-10-C, ImageNet-C): every image read from its corruption and severity -------------
+
+def _release(kind: str, root, corruptions: list[str], classes: int = 3, per_class: int = 4) -> None:
+    """A release whose image of class k under corruption d at severity s is the solid colour (40 s, 100 d, 60 k)."""
+    import numpy as np
+
+    n = classes * per_class
+    if kind == "cifar":
+        np.save(root / "labels.npy", np.tile(np.repeat(np.arange(classes), per_class), 5))
+        for d, c in enumerate(corruptions):
+            arr = np.zeros((5 * n, 32, 32, 3), dtype=np.uint8)
+            for s in range(1, 6):
+                for i in range(n):
+                    arr[(s - 1) * n + i] = (40 * s, 100 * d, 60 * (i // per_class))
+            np.save(root / f"{c}.npy", arr)
+        return
+    from PIL import Image
+
+    for d, c in enumerate(corruptions):
+        for s in range(1, 6):
+            for k in range(classes):
+                folder = root / c / str(s) / f"n0{k}"
+                folder.mkdir(parents=True)
+                for i in range(per_class):
+                    Image.new("RGB", (20, 20), (40 * s, 100 * d, 60 * k)).save(folder / f"{i}.png")
+
+
+@pytest.mark.parametrize("kind", ["cifar", "imagenet"])
+def test_release_streams_read_every_image_from_its_corruption_and_severity(kind, tmp_path):
+    from lowrank_lit.data.cifar_c import CIFAR10CDataModule
+    from lowrank_lit.data.corruptions import STREAM_SETTINGS
+    from lowrank_lit.data.imagenet_c import ImageNetCDataModule
+
+    _release(kind, tmp_path, ["fog", "snow"])
+    if kind == "cifar":
+        mean, std = torch.tensor([0.4914, 0.4822, 0.4465]), torch.tensor([0.2470, 0.2435, 0.2616])
+        make = lambda s: CIFAR10CDataModule(str(tmp_path), corruptions=["fog", "snow"], recurrences=2, batch_size=4,  # noqa: E731
+                                            setting=s)
+    else:
+        mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+        make = lambda s: ImageNetCDataModule(str(tmp_path), corruptions=["fog", "snow"], recurrences=2, batch_size=4,  # noqa: E731
+                                             img_size=16, resize=20, num_workers=0, setting=s)
+    streams = {}
+    for setting in STREAM_SETTINGS:
+        dm = make(setting)
+        dm.setup("test")
+        batches = list(dm.test_dataloader())
+        sev_per_batch = []
+        for x, y, dom, _rec in batches:
+            rgb = ((x.mean((2, 3)) * std + mean) * 255).round()  # (B, 3): the colour each image was stored with
+            assert torch.equal(rgb[:, 1], 100.0 * dom) and torch.equal(rgb[:, 2], 60.0 * y), setting
+            sev_per_batch.append(sorted(set((rgb[:, 0] / 40).long().tolist())))
+        assert len(batches) == 2 * 2 * 3 and all(len(b[1]) == 4 for b in batches), setting  # 12 images: 3 batches a visit
+        streams[setting] = (batches, sev_per_batch)
+    assert all(s == [5] for s in streams["csc"][1])  # the configured severity
+    assert streams["gradual"][1] == [[s] for s in severity_ramp(3)] * 4  # 1 -> 5 -> 1 inside each of the 4 visits
+    assert [int(b[2][0]) for b in streams["csc"][0]] == [0, 0, 0, 1, 1, 1] * 2
+    assert max(len(torch.unique(b[2])) for b in streams["mixed"][0]) == 2
+    ent = {s: sum(label_entropy(b[1], 3) for b in streams[s][0]) / 12 for s in ("csc", "correlated")}
+    assert ent["correlated"] < ent["csc"] - 0.3, ent
+    with pytest.raises(ValueError, match="setting='shuffled'; allowed: csc, cdc"):
+        make("shuffled")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lowrank_lit.data.corruptions import STREAM_SETTINGS, StreamDataset, corruption_stream, visits
+from lowrank_lit.data.corruptions import STREAM_SETTINGS, StreamDataset, index_plan
 
 __all__ = ["CIFAR10CDataModule", "CIFAR10C_CORRUPTIONS"]
 
@@ -99,31 +99,12 @@ class CIFAR10CDataModule(pl.LightningDataModule):
             whole = np.load(path, mmap_mode="r")
             images[d] = whole if gradual else np.ascontiguousarray(whole[lo:hi])  # gradual: every severity, from disk
         per_visit = max(1, n // self.batch_size)
-        order = corruption_stream(self.corruptions, self.recurrences, per_visit, self.setting, self.stream_seed)
-        g = torch.Generator().manual_seed(self.stream_seed)
-        plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
-        if self.setting in ("csc", "cdc"):
-            cursor, perms = {}, {}
-            for d, r in order:
-                if cursor.get(d, per_visit) >= per_visit:  # a new visit: a new image order
-                    cursor[d], perms[d] = 0, torch.randperm(n, generator=g)
-                idx = perms[d][cursor[d] * self.batch_size : (cursor[d] + 1) * self.batch_size]
-                plan.append((torch.full((len(idx),), d), r, idx, torch.zeros(len(idx), dtype=torch.long)))
-                cursor[d] += 1
-        else:
-            from lowrank_lit.data.stream import dirichlet_order, severity_ramp
-
-            for d, r, n_batches in visits(order):
-                perm = torch.randperm(n, generator=g)[: n_batches * self.batch_size]
-                if self.setting == "correlated":
-                    perm = perm[dirichlet_order(labels[perm], self.dirichlet_slots or n_batches, self.dirichlet_alpha, g)]
-                ramp = severity_ramp(n_batches)
-                for j, idx in enumerate(torch.split(perm, self.batch_size)):
-                    k = len(idx)
-                    doms = torch.randint(len(self.corruptions), (k,), generator=g) if self.setting == "mixed" else torch.full((k,), d)
-                    # row offset of the severity block: the gradual ramp's, else the loaded block (offset 0)
-                    offset = torch.full((k,), (ramp[j] - 1) * n if gradual else 0)
-                    plan.append((doms, r, idx, offset))
+        plan = index_plan(n, labels, len(self.corruptions), self.recurrences, per_visit, self.batch_size, self.setting,
+                          self.stream_seed, self.dirichlet_alpha, self.dirichlet_slots, self.severity)
+        if gradual:  # row offset of the ramp's severity block in the whole release file
+            plan = [(doms, r, idx, (sev - 1) * n) for doms, r, idx, sev in plan]
+        else:  # the loaded block holds the configured severity only
+            plan = [(doms, r, idx, torch.zeros_like(sev)) for doms, r, idx, sev in plan]
         self.stream = _LazyStream(images, labels, plan)
 
     def source_dataloader(self, batch_size: int | None = None, generator: torch.Generator | None = None) -> DataLoader:

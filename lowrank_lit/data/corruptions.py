@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from lowrank_lit.data.digits import DigitsDataModule
 from lowrank_lit.seeding import run_seed
 
-__all__ = ["CORRUPTIONS", "DEFAULT_LEVELS", "RESERVOIR_DOMAINS", "STREAM_SETTINGS", "corrupt", "corruption_stream", "visits",
+__all__ = ["CORRUPTIONS", "DEFAULT_LEVELS", "RESERVOIR_DOMAINS", "STREAM_SETTINGS", "corrupt", "corruption_stream", "visits", "index_plan",
            "StreamDataset", "DigitsCorruptionDataModule"]
 
 #: the stream orders: two over whole visits (csc, cdc) and three harder ones built on the CSC visits
@@ -170,6 +170,44 @@ def visits(order: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         else:
             out.append((d, r, 1))
     return out
+
+
+def index_plan(n: int, labels: torch.Tensor, n_domains: int, recurrences: int, batches_per_visit: int, batch_size: int,
+               setting: str = "csc", seed: int = 0, dirichlet_alpha: float = 0.01, dirichlet_slots: int | None = None,
+               severity: int = 5) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]]:
+    """The stream of a corruption release that stores the same ``n`` images (``labels`` (n,)) once per corruption and
+    severity (CIFAR-10-C, ImageNet-C), as one entry per batch: ``(domain (B,), recurrence, image index (B,),
+    severity (B,))``. ``csc`` / ``cdc``: each visit of a corruption reads a new seeded order of its images (one
+    order per visit, continued where a CDC run left it); ``mixed``, ``correlated`` and ``gradual`` build on the CSC
+    visits as :class:`DigitsCorruptionDataModule` does (every image from a random corruption; the visit's images in a
+    Dirichlet(``dirichlet_alpha``) label order over ``dirichlet_slots`` slots, None: one per batch; severity 1 -> 5
+    -> 1 inside the visit). Other settings read ``severity``. A last batch of a visit may be short when
+    ``batches_per_visit * batch_size > n``."""
+    order = corruption_stream(list(range(n_domains)), recurrences, batches_per_visit, setting, seed)
+    g = torch.Generator().manual_seed(seed)
+    plan: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = []
+    if setting in ("csc", "cdc"):
+        cursor: dict[int, int] = {}
+        perms: dict[int, torch.Tensor] = {}
+        for d, r in order:
+            if cursor.get(d, batches_per_visit) >= batches_per_visit:  # a new visit: a new image order
+                cursor[d], perms[d] = 0, torch.randperm(n, generator=g)
+            idx = perms[d][cursor[d] * batch_size : (cursor[d] + 1) * batch_size]
+            plan.append((torch.full((len(idx),), d), r, idx, torch.full((len(idx),), severity)))
+            cursor[d] += 1
+        return plan
+    from lowrank_lit.data.stream import dirichlet_order, severity_ramp
+
+    for d, r, n_batches in visits(order):
+        perm = torch.randperm(n, generator=g)[: n_batches * batch_size]
+        if setting == "correlated":
+            perm = perm[dirichlet_order(labels[perm], dirichlet_slots or n_batches, dirichlet_alpha, g)]
+        ramp = severity_ramp(n_batches)
+        for j, idx in enumerate(torch.split(perm, batch_size)):
+            k = len(idx)
+            doms = torch.randint(n_domains, (k,), generator=g) if setting == "mixed" else torch.full((k,), d)
+            plan.append((doms, r, idx, torch.full((k,), ramp[j] if setting == "gradual" else severity)))
+    return plan
 
 
 class StreamDataset(Dataset):

@@ -222,15 +222,16 @@ def cifar10_c(root: Path, corruptions: tuple[str, ...], per_severity: int = 20) 
 
 
 def imagenet_c(root: Path, corruptions: tuple[str, ...], severity: int = 5, classes: int = 3, per_class: int = 4,
-               size: int = 40) -> str:
-    """``<root>/<corruption>/<severity>/<wnid>/<image>.JPEG`` as the ImageNet-C release lays it out."""
+               size: int = 40, severities: tuple[int, ...] | None = None) -> str:
+    """``<root>/<corruption>/<severity>/<wnid>/<image>.JPEG`` as the ImageNet-C release lays it out (``severities``:
+    several severity folders, the same file names in each)."""
     from PIL import Image
 
     rng = np.random.default_rng(2)
     wnids = [f"n0{1440764 + 1000 * k}" for k in range(classes)]
     for c in corruptions:
-        for w in wnids:
-            folder = root / c / str(severity) / w
+        for w, sev in ((w, sev) for w in wnids for sev in (severities or (severity,))):
+            folder = root / c / str(sev) / w
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(per_class):
                 img = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)

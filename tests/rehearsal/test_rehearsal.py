@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowrank_lit.report import Run
+from lowrank_lit.report import Run, last_values
 from tests.helpers import CONFIGS, ROOT, run_cli
 from tests.rehearsal import fixtures as fx
 
@@ -196,11 +196,11 @@ def test_tta_table_cifar10c(tmp_path, cifar10):
 
 
 def test_tta_table_imagenetc(tmp_path):
-    """Every method of grids/tta_imagenetc.yaml (TRUST included) on the ImageNet-C release layout with a tiny
-    VMamba, through the header command of configs/tta/imagenetc_tent.yaml."""
+    """Every method of grids/tta_imagenetc.yaml (TRUST included) and every stream order on the ImageNet-C release
+    layout with a tiny VMamba, through the header command of configs/tta/imagenetc_tent.yaml."""
     from lowrank_lit.data.imagenet_c import IMAGENET_C_CORRUPTIONS
 
-    data = fx.imagenet_c(tmp_path / "ImageNet-C", IMAGENET_C_CORRUPTIONS[:3], classes=3, per_class=2)
+    data = fx.imagenet_c(tmp_path / "ImageNet-C", IMAGENET_C_CORRUPTIONS[:3], classes=3, per_class=2, severities=(1, 2, 3, 4, 5))
     model = ["--model.init_args.model.init_args.dim=[8, 16, 32, 64]", "--model.init_args.model.init_args.depth=[1, 1, 2, 1]",
              "--model.init_args.model.init_args.img_size=32", "--data.init_args.img_size=32", "--data.init_args.resize=36"]
     from lowrank_lit.models.vmamba import TinyVMamba
@@ -215,6 +215,11 @@ def test_tta_table_imagenetc(tmp_path):
     for name, frag in _grid_components("tta_imagenetc.yaml", "method", tmp_path).items():
         run = _rehearse("tta/imagenetc_tent.yaml", paths, [*small, "--config", str(frag)], tmp_path / "runs" / name)
         _finite(run, "test/error", "test/state_mb")
+    for name, frag in _grid_components("tta_imagenetc.yaml", "stream", tmp_path).items():
+        run = _rehearse("tta/imagenetc_tent.yaml", paths, [*small, "--config", str(frag)], tmp_path / "runs" / f"stream_{name}")
+        _finite(run, "test/error", "test/label_entropy", "test/domains_per_batch")
+        if name == "mixed":
+            assert last_values(run / "metrics.csv")["test/domains_per_batch"] > 1
 
 
 # ----------------------------------------------------------------------------------------- IS-LowRank -> NanoAdam
