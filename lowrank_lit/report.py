@@ -30,7 +30,7 @@ from typing import Any
 __all__ = [
     "run_directory", "may_write", "artifact_path", "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
     "debug_reason", "including_debug_runs", "markdown_table", "mean_std", "class_label", "new_figure", "save_figure",
-    "Summary", "get_summary", "summarize_main",
+    "Summary", "get_summary", "summarize_main", "RunFilter", "only_runs_of", "config_classes", "group_runs",
 ]
 
 
@@ -227,14 +227,21 @@ def read_runs(roots: Iterable[str], marker: str = "metrics.csv", required: bool 
     """The runs (sorted by path) at any depth below ``roots`` whose directory holds ``marker``.
 
     Debug runs (:attr:`Run.debug`: ``fast_dev_run``, ``overfit_batches``, ``limit_train_batches``) are left out, so a
-    smoke never enters a result table, unless inside :func:`including_debug_runs`.
+    smoke never enters a result table, unless inside :func:`including_debug_runs`. Inside :func:`only_runs_of` (what
+    ``lowrank summarize <slug>`` does) only the runs of that method are returned, and of several evaluations of one
+    checkpoint with one config only the latest; what was left out is counted in the filter.
 
     Raises:
         FileNotFoundError: ``required`` and there is none (the message names the roots and the marker, and how many
             debug runs were left out).
     """
     roots = list(roots)
-    runs = [Run(d) for d in find_runs(roots, marker, required=required)]
+    method = _METHOD_FILTER.get()
+    runs = [Run(d) for d in find_runs(roots, marker, required=required and method is None)]
+    if method is not None:
+        runs = method.keep(runs)
+        if required and not runs:
+            raise NoMethodRuns(method.slug, roots)
     if _INCLUDE_DEBUG.get():
         return runs
     kept = [r for r in runs if not r.debug]
@@ -244,6 +251,174 @@ def read_runs(roots: Iterable[str], marker: str = "metrics.csv", required: bool 
             f"({runs[0].debug_reason}, ...), which summaries leave out; --include-debug keeps them"
         )
     return kept
+
+
+# --------------------------------------------------------------------------------------- whose runs
+#: class paths every run may carry whatever its method: the callbacks the CLI and the presets add
+_INFRASTRUCTURE = ("lowrank_lit.callbacks.",)
+#: config keys that differ between the runs of one experiment without making them different experiments
+_REPLICATE_KEYS = ("run_id", "run_root", "ckpt_path", "default_root_dir", "save_dir", "dirpath", "config")
+
+
+def config_classes(config: Any) -> set[str]:
+    """The ``lowrank_lit`` classes a config builds: every ``class_path`` value under ``lowrank_lit.`` at any depth of a
+    (saved or written) config, except the callbacks every run may carry (``lowrank_lit.callbacks.*``)."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k == "class_path" and isinstance(v, str):
+                    if v.startswith("lowrank_lit.") and not v.startswith(_INFRASTRUCTURE):
+                        found.add(v)
+                else:
+                    walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    walk(config)
+    return found
+
+
+class NoMethodRuns(FileNotFoundError):
+    """No run of the method under the roots (``lowrank summarize`` exits 1 with one line)."""
+
+    def __init__(self, slug: str, roots: Sequence[str]) -> None:
+        super().__init__(f"no {slug} runs under {', '.join(map(str, roots))}")
+
+
+class RunFilter:
+    """Which runs belong to a method: the runs whose saved config builds a class of the method's module, or builds
+    every ``lowrank_lit`` class of one of the method's configs (``configs/<slug>/*.yaml``: its baselines), and no
+    class of another method's module that none of its configs builds.
+
+    Attributes:
+        slug: the method (or benchmark) whose runs are kept.
+        skipped: reason -> how many runs were left out for it (``lowrank summarize`` prints them on stderr).
+    """
+
+    def __init__(self, slug: str, module: str | None, config_dir: Path) -> None:
+        import yaml
+
+        self.slug = slug
+        self.module = module
+        self.skipped: dict[str, int] = {}
+        self.signatures: list[set[str]] = []
+        for path in sorted(config_dir.glob("*.yaml")):
+            try:
+                classes = config_classes(yaml.safe_load(path.read_text()))
+            except (OSError, yaml.YAMLError):
+                continue
+            if classes:
+                self.signatures.append(classes)
+        self.known = set().union(*self.signatures) if self.signatures else set()
+
+    def _skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def belongs(self, run: Run) -> str | None:
+        """None when ``run`` is one of the method's runs, else why not (one phrase). A summary with neither a module
+        nor configs to judge by (a study over any runs) keeps every run."""
+        if not self.module and not self.signatures:
+            return None
+        if not (run.path / "config.yaml").is_file():
+            return "no config.yaml"
+        try:
+            classes = config_classes(run.config)
+        except Exception:  # noqa: BLE001 - an unreadable config is a reason, not a crash
+            return "an unreadable config.yaml"
+        foreign = sorted(c for c in classes - self.known if c.startswith("lowrank_lit.methods.")
+                         and not (self.module and c.startswith(self.module + ".")))
+        if foreign:
+            return f"runs of another method ({foreign[0].rsplit('.', 2)[-2]})"
+        if self.module and any(c.startswith(self.module + ".") for c in classes):
+            return None
+        if any(sig <= classes for sig in self.signatures):
+            return None
+        return f"builds none of {self.slug}'s configs' classes"
+
+    def keep(self, runs: list[Run]) -> list[Run]:
+        """The runs of the method; of several evaluations of one checkpoint with the same config, the latest."""
+        mine = []
+        for run in runs:
+            why = self.belongs(run)
+            if why is None:
+                mine.append(run)
+            else:
+                self._skip(why)
+        latest: dict[str, Run] = {}
+        for run in mine:
+            ckpt = run.config.get("ckpt_path") if isinstance(run.config, dict) else None
+            if not ckpt:
+                latest[str(run.path)] = run
+                continue
+            key = _evaluation_key(run)
+            old = latest.get(key)
+            if old is not None:
+                self._skip(f"an earlier evaluation of {ckpt} with the same config (the latest is kept)")
+            if old is None or _written_at(run) >= _written_at(old):
+                latest[key] = run
+        kept = set(map(id, latest.values()))
+        return [r for r in mine if id(r) in kept]
+
+
+def _flat(value: Any, key: str = "") -> dict[str, Any]:
+    """A nested config as ``{"a.b.c": leaf}`` (lists as ``a.0``)."""
+    if isinstance(value, dict):
+        return {k: v for name, sub in value.items() for k, v in _flat(sub, f"{key}.{name}" if key else str(name)).items()}
+    if isinstance(value, list):
+        return {k: v for i, sub in enumerate(value) for k, v in _flat(sub, f"{key}.{i}").items()}
+    return {key: value}
+
+
+def _is_replicate_key(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1]
+    return "seed" in last or any(part in _REPLICATE_KEYS for part in key.split("."))
+
+
+def _evaluation_key(run: Run) -> str:
+    """A run's config with what differs between two evaluations of one checkpoint (the run's own id and paths)
+    left out."""
+    flat = {k: v for k, v in _flat(run.config).items() if not (_is_replicate_key(k) and "seed" not in k)}
+    return f"{run.config.get('ckpt_path')}|{sorted(flat.items(), key=str)!r}"
+
+
+def _written_at(run: Run) -> float:
+    path = run.path / "metrics.csv"
+    return (path if path.is_file() else run.path / "config.yaml").stat().st_mtime
+
+
+def group_runs(runs: Sequence[Run], strip: str = "") -> dict[str, list[Run]]:
+    """The runs by experiment and, within an experiment, by the values that differ between its runs (a sweep's
+    values), never across: label -> runs, in first-seen order. Seeds and the runs' own ids and paths are replicates,
+    not groups. ``strip`` is a prefix left off the labels (``"q3r/"``)."""
+    by_exp: dict[str, list[Run]] = {}
+    for run in runs:
+        exp = str(run.config.get("experiment") or run.path.parent.name)
+        by_exp.setdefault(exp.removeprefix(strip) if strip else exp, []).append(run)
+    groups: dict[str, list[Run]] = {}
+    for exp, members in by_exp.items():
+        flats = [{k: v for k, v in _flat(r.config).items() if not _is_replicate_key(k)} for r in members]
+        keys = sorted({k for f in flats for k in f})
+        varying = [k for k in keys if len({repr(f.get(k)) for f in flats}) > 1]
+        for run, flat in zip(members, flats, strict=True):
+            label = exp + "".join(f" {k.rsplit('.', 1)[-1]}={flat.get(k)}" for k in varying)
+            groups.setdefault(label, []).append(run)
+    return groups
+
+
+_METHOD_FILTER: ContextVar[RunFilter | None] = ContextVar("method_filter", default=None)
+
+
+@contextmanager
+def only_runs_of(run_filter: RunFilter) -> Iterator[RunFilter]:
+    """Within this block :func:`read_runs` returns only the runs ``run_filter`` keeps (``lowrank summarize <slug>``)."""
+    token = _METHOD_FILTER.set(run_filter)
+    try:
+        yield run_filter
+    finally:
+        _METHOD_FILTER.reset(token)
 
 
 # --------------------------------------------------------------------------------------- shared pieces
@@ -370,16 +545,52 @@ def summarize_main(argv: Sequence[str]) -> int:
             print(f"{run}  ({run.debug_reason})")
         print(f"{len(debug)} debug run(s)", file=sys.stderr)
         return 0
+    from lowrank_lit import registry
+
+    info = next((m for m in registry.scan_methods() if m.slug == summary.slug), None)
+    run_filter = RunFilter(summary.slug, info.target.rpartition(".")[0] if info else None,
+                           registry.project_root() / "configs" / summary.slug)
+    missing = [r for r in roots if not os.path.exists(r)]
+    if missing:
+        print(f"lowrank summarize {summary.slug}: error: {missing[0]!r} does not exist; give run directories or "
+              "folders holding them", file=sys.stderr)
+        return 2
     try:
-        with including_debug_runs(include):
+        with including_debug_runs(include), only_runs_of(run_filter):
             text = summary.fn(roots, out, **args)
+    except NoMethodRuns as exc:
+        print(f"lowrank summarize {summary.slug}: {exc}{_skipped_note(run_filter)}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, LookupError, ValueError) as exc:
-        print(f"lowrank summarize {summary.slug}: error: {exc}", file=sys.stderr)
+        if not any(True for _ in _method_runs(roots, run_filter)):
+            print(f"lowrank summarize {summary.slug}: {NoMethodRuns(summary.slug, roots)}{_skipped_note(run_filter)}",
+                  file=sys.stderr)
+            return 1
+        what = f"a run lacks {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+        print(f"lowrank summarize {summary.slug}: error: {what}", file=sys.stderr)
         return 2
     print(text)
     if out:
         print(out)
+    if run_filter.skipped:
+        print(f"lowrank summarize {summary.slug}: {_skipped_note(run_filter).removeprefix('; ')}", file=sys.stderr)
     if debug and not include:
         print(f"lowrank summarize: left out {len(debug)} debug run(s) (fast_dev_run, overfit_batches, limit_train_batches); "
               "--list-debug names them, --include-debug keeps them", file=sys.stderr)
     return 0
+
+
+def _method_runs(roots: Sequence[str], run_filter: RunFilter) -> list[Run]:
+    """The method's runs (any marker) under ``roots``, counted afresh."""
+    probe = RunFilter.__new__(RunFilter)
+    probe.__dict__.update(run_filter.__dict__, skipped={})
+    return [r for r in (Run(d) for d in find_runs(roots, "config.yaml")) if probe.belongs(r) is None]
+
+
+def _skipped_note(run_filter: RunFilter) -> str:
+    """``"; left out 3 run(s): 2 x runs of another method (q3r), 1 x ..."`` (empty when nothing was left out)."""
+    if not run_filter.skipped:
+        return ""
+    n = sum(run_filter.skipped.values())
+    parts = ", ".join(f"{c} x {why}" for why, c in sorted(run_filter.skipped.items(), key=lambda t: -t[1]))
+    return f"; left out {n} run(s): {parts}"

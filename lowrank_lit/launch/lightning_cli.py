@@ -40,10 +40,13 @@ from lowrank_lit.launch.checks import (
     wandb_online_allowed,
 )
 from lowrank_lit.launch.run_dir import (
+    CLAIM_FILE,
     ENV_RUN_DIR,
     RunDir,
+    RunDirError,
     keep_previous_metrics,
     newest_checkpoint,
+    release_claims,
     resolve_run_dir,
     slurm_run_id,
 )
@@ -89,6 +92,8 @@ class LowrankCLI(LightningCLI):
             super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
         except SIGTERMException as exc:  # stopped by a signal: say where the run was writing
             raise RunStopped(exc, self.run_dir) from exc
+        finally:  # the run directory is free again, however the run ended
+            release_claims()
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse as LightningCLI does; a parse error becomes one line naming the key (and the closest valid one)."""
@@ -181,7 +186,10 @@ class LowrankCLI(LightningCLI):
         check_values(cfg)  # before a run directory exists: a bad input leaves nothing behind
         check_input_files(cfg)
         experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
-        run_dir = resolve_run_dir(cfg.run_root, experiment, cfg.run_id)
+        try:  # claimed before anything is written into it (a second run on a live run's directory is refused)
+            run_dir = resolve_run_dir(cfg.run_root, experiment, cfg.run_id, claim=is_rank_zero())
+        except RunDirError as exc:
+            raise ConfigError(str(exc)) from None
         os.environ[ENV_RUN_DIR] = str(run_dir.path)  # inherited by DDP worker processes
         self.run_dir = run_dir
         cfg.experiment = experiment
@@ -339,15 +347,16 @@ class LowrankCLI(LightningCLI):
         and hyperparameter files, a metrics.csv without rows): a run that never started leaves nothing behind."""
         if run_dir.resumed or not run_dir.path.is_dir():
             return
-        setup_files = {"config.yaml", "hparams.yaml", "metrics.csv"}
+        setup_files = {"config.yaml", "hparams.yaml", "metrics.csv", CLAIM_FILE}
         entries = list(run_dir.path.iterdir())
         if any(e.name not in setup_files or not e.is_file() for e in entries):
             return
         metrics = run_dir.path / "metrics.csv"
         if metrics.is_file() and len(metrics.read_text().splitlines()) > 1:
             return
+        release_claims()
         for e in entries:
-            e.unlink()
+            e.unlink(missing_ok=True)
         run_dir.path.rmdir()
 
     def _loggers(self, value: Any, run_dir: RunDir) -> Any:

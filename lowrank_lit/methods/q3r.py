@@ -53,6 +53,7 @@ from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
     artifact_path,
+    group_runs,
     log_image,
     markdown_table,
     may_write,
@@ -604,19 +605,20 @@ def plot_truncation(series: dict[str, list[dict[str, float]]], path: str) -> str
 
 
 def compare(experiment_dirs: Sequence[str], out: str | None = None) -> str:
-    """Average ``truncation.csv`` over the runs (seeds) of each experiment folder; markdown table (+ plot).
+    """Average ``truncation.csv`` over the runs (seeds) of each experiment (and swept value); markdown table (+ plot).
 
     ``lowrank summarize q3r runs/q3r/mlp_digits runs/q3r/mlp_digits_adamw --out cmp.png``
     """
-    from pathlib import Path
-
     series: dict[str, list[dict[str, float]]] = {}
     counts: dict[str, int] = {}
-    for folder in experiment_dirs:
-        runs = [run.rows("truncation.csv") for run in read_runs([folder], "truncation.csv", required=False)]
-        if not runs:
-            raise FileNotFoundError(f"compare: no run with a truncation.csv under {folder!r} (debug runs left out)")
-        label = Path(folder).name
+    found = read_runs(experiment_dirs, "truncation.csv", required=False)
+    if not found:
+        raise FileNotFoundError(f"compare: no run with a truncation.csv under {', '.join(experiment_dirs)} "
+                                "(debug runs left out)")
+    # one column per experiment (and per swept value within one), never pooled across: a folder holding both the
+    # Q3R and the AdamW experiment gives two columns
+    for label, members in group_runs(found, strip="q3r/").items():
+        runs = [run.rows("truncation.csv") for run in members]
         series[label] = [
             {k: sum(float(r[i][k]) for r in runs) / len(runs) for k in ("keep_fraction", "kept_params", "acc")}
             for i in range(len(runs[0]))
