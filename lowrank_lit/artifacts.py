@@ -212,6 +212,7 @@ def apply_artifact(module: nn.Module, meta: Mapping[str, Any], tensors: Mapping[
     """
     state = module.state_dict()
     entries = meta["entries"]
+    _check_backbone_config(module, meta.get("backbone"))
     for key in sorted(entries):
         entry = entries[key]
         if key not in state:
@@ -220,6 +221,14 @@ def apply_artifact(module: nn.Module, meta: Mapping[str, Any], tensors: Mapping[
         if list(target.shape) != entry["shape"] or str(target.dtype).removeprefix("torch.") != entry["dtype"]:
             raise ArtifactError(f"wrong base at {key!r}: the artifact holds {tuple(entry['shape'])} {entry['dtype']}, "
                                 f"the base {tuple(target.shape)} {str(target.dtype).removeprefix('torch.')}")
+    if check_base:  # a base with more parts (layers) than the export's: the artifact would apply to part of it
+        known = set(entries) | set(meta["base"]["tensors"])
+        alias = aliases(state)
+        extra = sorted(k for k in state if k not in known and alias.get(k) not in known)
+        if extra:
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise ArtifactError(f"wrong base: {extra[0]!r}{more} is not in the export's base; the base has parts the "
+                                "artifact was not exported against")
     if check_base:
         for key, digest in sorted(meta["base"]["tensors"].items()):
             if key not in state:
@@ -239,6 +248,27 @@ def apply_artifact(module: nn.Module, meta: Mapping[str, Any], tensors: Mapping[
             else:
                 target.copy_(tensors[key].to(target.device, target.dtype))
     return module
+
+
+def _check_backbone_config(module: nn.Module, backbone: Mapping[str, Any] | None) -> None:
+    """The transformers backbone inside ``module`` has every config field the artifact states (``artifact.json``'s
+    ``backbone.config``: what the run changed, e.g. ``num_hidden_layers``).
+
+    Raises:
+        ArtifactError: one line naming the first field that differs.
+    """
+    if not backbone or not backbone.get("config"):
+        return
+    found = next((m for m in module.modules() if hasattr(m, "config") and hasattr(m.config, "to_dict")
+                  and hasattr(m, "name_or_path")), None)
+    if found is None:
+        raise ArtifactError(f"wrong base: {type(module).__name__} holds no transformers model; the artifact was "
+                            f"exported from {backbone.get('name') or 'a transformers model'}")
+    have = found.config.to_dict()
+    for field_name, want in sorted(backbone["config"].items()):
+        if have.get(field_name) != want:
+            raise ArtifactError(f"wrong base: backbone config {field_name}={have.get(field_name)!r}; the artifact needs "
+                                f"{field_name}={want!r} (base {backbone.get('name') or 'built from its config'})")
 
 
 def load_artifact(path: str | os.PathLike, base: nn.Module, check_base: bool = True) -> nn.Module:

