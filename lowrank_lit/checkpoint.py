@@ -52,6 +52,9 @@ def check_readable(path: str | os.PathLike, where: str = "ckpt_path") -> None:
         where: the argument that named it, for the message (e.g. ``--ckpt_path``).
     """
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{where}={str(path)!r} is a folder; allowed: a checkpoint file (e.g. "
+                              "RUN/checkpoints/last.ckpt)")
     if not path.is_file():
         raise CheckpointError(f"{where}={str(path)!r} does not exist")
     if _complete(path):

@@ -35,6 +35,7 @@ from pathlib import Path
 from lowrank_lit.launch.checks import (
     LIGHTNING_COMMANDS,
     ConfigError,
+    config_file_error,
     config_files,
     interrupted_message,
     is_rank_zero,
@@ -292,9 +293,9 @@ def _main(args: Sequence[str] | None) -> int:
         from lowrank_lit import registry
 
         registry.load_all()
-    missing = [c for c in configs if not Path(c).is_file()]
-    if missing:  # answered before Lightning is imported
-        print(f"lowrank {argv[0]}: error: --config: file {missing[0]!r} does not exist", file=sys.stderr)
+    bad = config_file_error(configs)
+    if bad:  # answered before Lightning is imported
+        print(f"lowrank {argv[0]}: error: {bad}", file=sys.stderr)
         return 2
     wrong = wrong_command(argv[0], configs)
     if wrong:  # a test-only config given to fit: before Lightning is imported, so no run directory is made
@@ -302,7 +303,7 @@ def _main(args: Sequence[str] | None) -> int:
         return 2
     from jsonargparse import ArgumentError
 
-    from lowrank_lit.launch.lightning_cli import RunStopped, run_command
+    from lowrank_lit.launch.lightning_cli import AlreadyFinished, RunStopped, run_command
     try:
         # args=None lets LightningCLI read sys.argv itself (it warns when both are given)
         run_dir = run_command(None if args is None else argv)
@@ -312,6 +313,10 @@ def _main(args: Sequence[str] | None) -> int:
     except ConfigError as exc:
         print(f"lowrank {argv[0]}: error: {exc}", file=sys.stderr)
         return 2
+    except AlreadyFinished as done:
+        if is_rank_zero():
+            print(str(done), flush=True)
+        return 0
     except RunStopped as stop:
         if is_rank_zero():
             print(interrupted_message(argv, stop.run_dir, stop.cause), file=sys.stderr, flush=True)

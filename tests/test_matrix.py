@@ -111,7 +111,10 @@ def test_check_builds_the_cells_and_names_the_slurm_array_command(tmp_path, monk
                                                                                       "init_args": {"lr": 0.1}}}}})
     assert main(["matrix", "--config", BASE, "--grid", str(grid), "--root", "m", "--check"]) == 0
     out = capsys.readouterr().out
-    assert "2 cells x 1 seeds: 2 cells build, 0 incompatible" in out and not list((tmp_path / "m").rglob("metrics.csv"))
+    assert "2 cells x 1 seeds: 2 cells build, 0 incompatible" in out and not (tmp_path / "m").exists()  # nothing written
+    assert main(["matrix", "--config", BASE, "--grid", str(grid), "--root", "m", "--limit", "0"]) == 0  # writes, runs nothing
+    out = capsys.readouterr().out
+    assert not list((tmp_path / "m").rglob("metrics.csv"))
     line = next(ln for ln in out.splitlines() if ln.startswith("on SLURM"))
     submit = shlex.split(line.split(": ", 1)[1].split(";")[0])
     submit[submit.index("--array") + 1] = "2"

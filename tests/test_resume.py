@@ -92,6 +92,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(sig, tmp_path, refe
     name = signal.Signals(sig).name
     assert rc == 128 + sig, (rc, err)
     assert f"interrupted by {name}" in err
+    err_before = err
     run = _only_run(tmp_path / "runs")
     assert str(run) in err and str(run) in out  # where the run is: at the start and after the interruption
     stopped = _state(run)
@@ -100,7 +101,8 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(sig, tmp_path, refe
     assert resume.endswith(f"--run_id {run.name} --ckpt_path last")
     rc, out, err = _lowrank(shlex.split(resume)[1:], tmp_path / "runs")  # exactly the printed command
     assert rc == 0, err
-    assert f"resumed at epoch 1, step {stopped['step']}" in out
+    assert f"resumed at step {stopped['step']}, in epoch 2" in out  # the epoch as the progress and the interruption count it
+    assert f"at step {stopped['step']}, in epoch 2" in err_before
     final = _state(run)
     assert final["step"] == ref_state["step"] == 100
     for key, value in ref_state["weights"].items():
@@ -144,7 +146,7 @@ def test_slurm_requeue_resumes_the_newest_checkpoint_and_tests_the_final_weights
     rc, out, err = _lowrank(args, root, env=env)  # requeued again: runs to the end
     assert rc == 0, err
     assert f"resuming from {run / 'checkpoints' / 'last.ckpt'}" in out
-    assert f"resumed at epoch 3, step {second['step']}" in out
+    assert f"resumed at step {second['step']}, in epoch 4" in out
     final = _state(run)
     assert final["step"] == ref_state["step"]
     for key, value in ref_state["weights"].items():

@@ -145,7 +145,8 @@ class LogProgress(ProgressBar):
         what = f"{trainer.max_epochs} epoch" + ("s" if trainer.max_epochs != 1 else "") if trainer.max_epochs and trainer.max_epochs > 0 else f"{trainer.max_steps} steps"
         batches = self.total_train_batches
         per_epoch = f", {batches} batches per epoch" if isinstance(batches, int) else ""
-        resumed = f" (resumed at epoch {trainer.current_epoch}, step {trainer.global_step})" if trainer.global_step else ""
+        resumed = (f" (resumed at step {trainer.global_step}, in epoch {trainer.current_epoch + 1})"  # as the interruption says
+                   if trainer.global_step else "")
         self.print(f"training: {what}{per_epoch}{resumed}")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -312,8 +312,9 @@ class SpatialTranscriptomicsDataModule(_GroupedDataModule):
         super().__init__(batch_size, group_batches, num_workers, seed)
         if not features or len(features) != len(counts):
             raise ValueError(
-                f"SpatialTranscriptomicsDataModule: features ({len(features)} files) and counts ({len(counts)} files) "
-                "need one file per slide each, in the same order"
+                f"data.init_args.features ({len(features)} files) and data.init_args.counts ({len(counts)} files) need "
+                "one file per slide each, in the same order: --data.init_args.features='[s1_feats.npy, ...]' "
+                "--data.init_args.counts='[s1_counts.npy, ...]'"
             )
         n = len(features)
         self.test_slides = sorted({i % n for i in ([-1] if test_slides is None else test_slides)})

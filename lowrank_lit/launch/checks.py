@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 __all__ = [
-    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
+    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "prerequisite_command", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed",
 ]
@@ -213,13 +213,13 @@ def _leaves(value: Any, key: str) -> list[tuple[str, Any]]:
     return [(key, value)]
 
 
-def check_values(cfg: Any) -> None:
+def check_values(cfg: Any, subcommand: str | None = None) -> None:
     """Values that would fail only after the run started, or fail with a message that names no argument: checked
     by name before a run directory exists.
 
     * data files and folders you bring (``data.init_args.train_path``, ``features``, ``test_csvs``, ...) exist;
     * learning rates (``lr``, ``lr_head``, ``meta_lr``, ...) are numbers > 0;
-    * ``trainer.max_epochs`` / ``trainer.max_steps`` are -1 (no limit) or >= 0;
+    * ``trainer.max_epochs`` / ``trainer.max_steps`` are -1 (no limit) or >= 0, and not 0 for ``fit`` (``subcommand``);
     * a config that asks for a GPU (``trainer.accelerator: gpu``/``cuda``) runs where one is visible.
 
     Raises:
@@ -249,6 +249,10 @@ def check_values(cfg: Any) -> None:
             value = trainer.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value < -1:
                 raise ConfigError(f"trainer.{name}={value}; allowed: -1 (no limit), 0 or a positive integer")
+            if subcommand == "fit" and value == 0 and not isinstance(value, bool):
+                # Lightning would stop before the first step and report the run as finished (and test an untrained model)
+                raise ConfigError(f"trainer.{name}=0 trains nothing; allowed for fit: -1 (no limit) or a positive "
+                                  "integer (to evaluate a checkpoint without training: lowrank test --ckpt_path ...)")
 
 
 def setup_error(exc: BaseException, cfg: Any) -> str:
@@ -372,11 +376,40 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
                 hint = (f"; --trainer.callbacks.init_args.* sets the last callback given so far ({cls}): give the flag "
                         "before the --config that adds that callback")
             return f"unknown key {key!r}{owner}{hint}"
+    if key_parts == ["seed_everything"] or (not key_parts and "seed_everything" in lines[0]):
+        got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
+        given = f"={got!r}" if got is not None else ""
+        return (f"--seed_everything{given}: allowed: an integer seed, true (a random seed, saved in the run's config) "
+                "or false (no seeding)")
     if key_parts and (m := _EXPECTED_RE.search(text)):
         got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
         got_text = f", got {got!r}" if got is not None else ""
         return f"{'.init_args.'.join(key_parts)}: expected {m.group(1)}{got_text}"
     return lines[0]
+
+
+def config_file_error(files: Sequence[str]) -> str | None:
+    """One line for the first ``--config`` that is not a readable YAML file (missing, a folder, a syntax error with
+    its file, line and column), else None. Reads the files as text only: no Lightning, no torch."""
+    import yaml
+
+    for f in files:
+        path = Path(f)
+        if path.is_dir():
+            example = next(iter(sorted(path.glob("*.yaml"))), None)
+            hint = f", e.g. --config {example}" if example else ""
+            return f"--config: {f!r} is a folder; allowed: a YAML config file{hint}"
+        if not path.is_file():
+            return f"--config: file {f!r} does not exist"
+        try:
+            yaml.safe_load(path.read_text())
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            return f"--config: {f}:{where}: YAML syntax error: {exc.problem or exc.context}"
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+            return f"--config: {f}: not a readable YAML file ({first_line(exc)})"
+    return None
 
 
 def config_files(argv: Sequence[str]) -> list[str]:

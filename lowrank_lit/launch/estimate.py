@@ -20,6 +20,7 @@ The config's model is built at full size on the meta device (no memory; hub mode
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -240,7 +241,14 @@ def main(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from lowrank_lit.launch.checks import config_file_error, config_files
+
+    bad = config_file_error(config_files(argv)) if config_files(argv) else "--config: give a config file, e.g. " \
+        "lowrank estimate --config configs/lope/llama_gpu.yaml"
+    if bad:
+        print(f"lowrank estimate: error: {bad}", file=sys.stderr)
+        return 2
+    _offline()
     try:
         result = estimate(argv)
     except ValueError as exc:  # jsonargparse wraps what the classes raise while being built on the meta device
@@ -250,9 +258,25 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _offline() -> None:
+    """Estimating reads local files only: the hub is switched off before anything looks a model up (huggingface_hub
+    reads ``HF_HUB_OFFLINE`` once, when imported, so the imported constant is set too); a hub name that is not in
+    the local cache then fails at once, not after half a minute of retries."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
+
+
 def _root_message(exc: BaseException) -> str:
     """The innermost useful line of an instantiation error (jsonargparse lists the union's errors)."""
     text = str(exc)
+    if "couldn't connect to" in text or "offline mode" in text.lower() or "is not a local folder" in text:
+        names = sorted(set(re.findall(r"'([\w.\-]+/[\w.\-]+)'", text)))
+        named = f" {names[0]!r}" if names else ""
+        return (f"the model or tokenizer{named} is neither a local folder nor in the local Hugging Face cache "
+                "(lowrank estimate reads local files only): give the local folder that holds its config.json, as the "
+                "config's '# Run:' line shows (e.g. --model.init_args.backbone=/models/...)")
     for line in text.splitlines():
         if line.strip().startswith("- ") and "Expected a <class 'NoneType'>" not in line:
             return line.strip()[2:]

@@ -259,13 +259,26 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
         config = run / "config.yaml"
         if not config.is_file():
             raise ArtifactError(f"--config: no {config} beside the checkpoint; pass the config the run used")
+    ckpt = load_checkpoint(ckpt_path, "--ckpt_path")
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        beside = sorted(p.name for p in ckpt_path.parent.glob("*.safetensors"))
+        hint = f"; beside it: {', '.join(beside)} (already an export)" if beside else ""
+        raise ArtifactError(f"--ckpt_path={str(ckpt_path)!r} is not a Lightning training checkpoint (no state_dict); "
+                            f"allowed: RUN/checkpoints/*.ckpt{hint}")
+    from jsonargparse import ArgumentError
+
+    from lowrank_lit.launch.checks import one_line_error
+
     # the callbacks are built only to ask which layers a rank regulariser targets (--format factors)
-    built = build_from_config(config, verb="fit", callbacks=fmt == "factors" and not targets)
+    try:
+        built = build_from_config(config, verb="fit", callbacks=fmt == "factors" and not targets)
+    except ArgumentError as exc:
+        raise ArtifactError(f"--config={str(config)!r} does not describe a training run ({one_line_error(exc)}); "
+                            "give the config of the run that trained the checkpoint") from None
     model: pl.LightningModule = built.model
     if hasattr(model, "prepare_base"):  # e.g. source pretraining: the base the fine-tuning started from
         model.prepare_base(built.data)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ckpt = load_checkpoint(ckpt_path, "--ckpt_path")
     cfg = built.config
     meta = {"method": str(cfg.get("experiment") or "").split("/")[0] or None,
             "experiment": cfg.get("experiment"),
@@ -399,6 +412,10 @@ def main_export(argv: Sequence[str]) -> int:
         got = export_checkpoint(args.ckpt_path, args.out, args.format, args.config, args.keep, args.targets)
     except (ArtifactError, ValueError) as exc:
         print(f"lowrank export: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except PermissionError as exc:
+        print(f"lowrank export: error: --out={args.out!r}: cannot write {exc.filename!r} ({exc.strerror}); allowed: a "
+              "folder you can write", file=sys.stderr)
         return 2
     if args.format == "factors":
         ranks = ", ".join(f"{n} {r}" for n, r in got["ranks"].items())

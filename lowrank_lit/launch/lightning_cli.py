@@ -51,7 +51,7 @@ from lowrank_lit.launch.run_dir import (
     slurm_run_id,
 )
 
-__all__ = ["LowrankCLI", "RunStopped", "build_parser", "run_command"]
+__all__ = ["LowrankCLI", "RunStopped", "AlreadyFinished", "build_parser", "run_command"]
 
 quiet_known_noise()
 
@@ -94,6 +94,28 @@ class LowrankCLI(LightningCLI):
             raise RunStopped(exc, self.run_dir) from exc
         finally:  # the run directory is free again, however the run ended
             release_claims()
+
+    def _set_seed(self) -> None:
+        """Seed as LightningCLI does, without its "Seed set to N" line on stderr (a refused command prints one line
+        only); the seed is printed on the run's start line and saved in its config."""
+        from lightning.fabric.utilities.seed import seed_everything
+
+        config_seed = self._get(self.config, "seed_everything")
+        if config_seed is False:
+            return
+        config_seed = seed_everything(None if config_seed is True else config_seed, workers=True, verbose=False)
+        if self.subcommand:
+            self.config[self.subcommand]["seed_everything"] = config_seed
+        else:
+            self.config["seed_everything"] = config_seed
+
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI reads the hyperparameters of ``--ckpt_path`` before anything else: a folder, an empty or a
+        truncated file is one line naming it first (not torch's EOFError)."""
+        sub = self.config.get("subcommand")
+        if sub and os.path.exists(str(self.config[sub].get("ckpt_path") or "")):  # a missing one: check_input_files
+            self._check_ckpt_path(self.config[sub])
+        super()._parse_ckpt_path()
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse as LightningCLI does; a parse error becomes one line naming the key (and the closest valid one)."""
@@ -183,7 +205,7 @@ class LowrankCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        check_values(cfg)  # before a run directory exists: a bad input leaves nothing behind
+        check_values(cfg, self.subcommand)  # before a run directory exists: a bad input leaves nothing behind
         check_input_files(cfg)
         experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
         try:  # claimed before anything is written into it (a second run on a live run's directory is refused)
@@ -206,8 +228,9 @@ class LowrankCLI(LightningCLI):
         if run_dir.resumed and is_rank_zero():  # accepted: only now is the previous attempt's metrics.csv moved aside
             keep_previous_metrics(run_dir.path)
         if is_rank_zero():
-            print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else ""),
-                  flush=True)
+            seed = cfg.get("seed_everything")
+            print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else "")
+                  + (f" (seed {seed})" if seed is not False and seed is not None else ""), flush=True)
 
     @staticmethod
     def _check_ckpt_path(cfg: Namespace) -> None:
@@ -221,6 +244,22 @@ class LowrankCLI(LightningCLI):
             check_readable(path, "--ckpt_path")
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
+        # the run that wrote the checkpoint saved its config beside it: another model class cannot load it
+        folder = os.path.dirname(os.path.abspath(str(path)))
+        saved = os.path.join(os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder, "config.yaml")
+        model = cfg.get("model")
+        ours = model.get("class_path") if isinstance(model, Namespace) else None
+        if ours and os.path.isfile(saved):
+            import yaml
+
+            try:
+                with open(saved) as f:
+                    theirs = ((yaml.safe_load(f) or {}).get("model") or {}).get("class_path")
+            except (OSError, yaml.YAMLError, AttributeError):
+                theirs = None
+            if theirs and theirs != ours:
+                raise ConfigError(f"--ckpt_path={str(path)!r} was trained as {theirs.rsplit('.', 1)[-1]} ({saved}), but the "
+                                  f"config builds {ours.rsplit('.', 1)[-1]}; give the config of that run: --config {saved}")
 
     @staticmethod
     def _resume_point(cfg: Namespace, run_dir: RunDir) -> None:
@@ -256,6 +295,8 @@ class LowrankCLI(LightningCLI):
                 if is_rank_zero():
                     print(f"requeued SLURM job {run_dir.run_id}: resuming from {newest}", flush=True)
             return
+        if has_ckpts and _finished_with(cfg, run_dir):
+            raise AlreadyFinished(run_dir)
         if has_ckpts:
             raise ConfigError(
                 f"run directory {run_dir.path} already has checkpoints; pass --ckpt_path last to resume it "
@@ -358,6 +399,9 @@ class LowrankCLI(LightningCLI):
         for e in entries:
             e.unlink(missing_ok=True)
         run_dir.path.rmdir()
+        for folder in run_dir.created:  # the experiment folders this run added, when nothing else is in them
+            if folder != run_dir.path and folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
     def _loggers(self, value: Any, run_dir: RunDir) -> Any:
         if value is False:  # logging explicitly switched off
@@ -403,6 +447,43 @@ class _LastValidation(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
             self.step = trainer.global_step
+
+
+def _finished_with(cfg: Namespace, run_dir: RunDir) -> bool:
+    """Whether ``run_dir`` holds a run that finished training with the model, data, seed and length ``cfg`` asks
+    for (a fixed-id prerequisite run again: reused, not trained twice)."""
+    import yaml
+
+    from lowrank_lit.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        saved = yaml.safe_load((run_dir.path / "config.yaml").read_text()) or {}
+        ckpt = load_checkpoint(run_dir.path / "checkpoints" / "last.ckpt")
+    except (OSError, yaml.YAMLError, CheckpointError):
+        return False
+    new = cfg.as_dict()
+    keys = ("model", "data", "seed_everything")
+    if any(yaml.safe_load(yaml.safe_dump(new.get(k))) != saved.get(k) for k in keys):
+        return False
+    trainer = new.get("trainer") or {}
+    if any(trainer.get(k) != (saved.get("trainer") or {}).get(k) for k in ("max_epochs", "max_steps")):
+        return False
+    epochs = ((ckpt.get("loops") or {}).get("fit_loop") or {}).get("epoch_progress", {}).get("current", {}).get("processed", 0)
+    max_epochs, max_steps = trainer.get("max_epochs"), trainer.get("max_steps")
+    return bool((max_steps or -1) > 0 and ckpt.get("global_step", 0) >= max_steps) or \
+        bool((max_epochs or -1) > 0 and epochs >= max_epochs)
+
+
+class AlreadyFinished(Exception):
+    """A fixed-id run (a prerequisite whose config sets ``run_id``, or an explicit ``--run_id``) started again after
+    it finished with the same model, data, seed and length: it is reused, not trained again (``lowrank`` says so
+    and exits 0), so a quick run a user repeats works again."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        super().__init__(f"run {run_dir.experiment}/{run_dir.run_id} already finished with this config: reused "
+                         f"({run_dir.path / 'checkpoints' / 'last.ckpt'}), nothing trained; --run_id <another id> "
+                         "trains it again")
+        self.run_dir = run_dir
 
 
 class RunStopped(Exception):

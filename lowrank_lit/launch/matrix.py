@@ -399,6 +399,21 @@ def plot_heatmaps(grid: Grid, rows: list[dict[str, Any]], root: Path) -> list[Pa
     return out
 
 
+def _check_only(grid: Grid, base: str, tmp: Path, name: str, root: Path, argv: Sequence[str]) -> int:
+    """``--check``: build every cell (in ``tmp``) and report; 0 when every cell builds, 1 otherwise."""
+    tmp.mkdir(parents=True)
+    files = prepare(grid, base, tmp, name)
+    bad = check_cells(grid, base, tmp, files)
+    for cell, why in bad.items():
+        print(f"lowrank matrix: {cell}: incompatible: {why}", file=sys.stderr)
+    runnable = len(files) - len(bad)
+    print(f"{len(files)} cells x {len(grid.seeds)} seeds: {runnable} cells build, {len(bad)} incompatible", flush=True)
+    again = shlex.join(["lowrank", "matrix", *[a for a in argv if a != "--check"], "--limit", "0"])
+    print(f"--check wrote nothing under {root}; to write the cells and the per-seed sweep files there and print the "
+          f"SLURM array command of each seed, run: {again}")
+    return 0 if not bad else 1
+
+
 def main(argv: Sequence[str]) -> int:
     """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--root DIR] [--jobs N] [--limit N] [--seeds S ...] [--pivot AXIS] [--check]``."""
     parser = argparse.ArgumentParser(prog="lowrank matrix", description="Run the cross product of config fragments "
@@ -432,7 +447,17 @@ def main(argv: Sequence[str]) -> int:
         return 2
     name = grid.path.stem
     root = Path(opts.root or Path("runs") / "matrix" / name)
-    root.mkdir(parents=True, exist_ok=True)
+    if opts.check:  # a check writes nothing where the runs go: the cells are built in a temporary folder
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="lowrank-matrix-check-") as tmp:
+            return _check_only(grid, base, Path(tmp) / name, name, root, argv)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"lowrank matrix: error: --root={str(root)!r}: cannot create it ({exc.strerror}); allowed: a folder you "
+              "can write", file=sys.stderr)
+        return 2
     files = prepare(grid, base, root, name)
     bad = check_cells(grid, base, root, files)
     for cell, why in bad.items():
@@ -445,8 +470,6 @@ def main(argv: Sequence[str]) -> int:
                   "--study-name", study, "--run-root", str(root), *extra]
         print(f"on SLURM, K workers: {shlex.join(submit)}; then this command again writes the table "
               f"(seed {seed}: {cells} cells to run)")
-    if opts.check:
-        return 0 if not bad else 1
     budget = opts.limit
     for _seed, sweep, study, cells in pending:
         n = cells if budget is None else min(cells, budget)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["RunDir", "RunDirError", "slurm_run_id", "new_run_id", "resolve_run_dir", "claim_run_dir", "release_claims",
-           "keep_previous_metrics", "newest_checkpoint", "ENV_RUN_DIR", "CLAIM_FILE"]
+           "keep_previous_metrics", "newest_checkpoint", "check_run_root", "ENV_RUN_DIR", "CLAIM_FILE"]
 
 ENV_RUN_DIR = "LOWRANK_RUN_DIR"
 #: the file that claims a run directory for one live run (removed when the run ends)
@@ -49,12 +49,16 @@ class RunDir:
         experiment: experiment name, e.g. ``baseline/mlp_digits``.
         run_id: the run's id inside the experiment folder.
         resumed: True when the directory existed before (SLURM requeue or an explicit ``run_id``).
+        created: the folders that creating it added.
     """
 
     path: Path
     experiment: str
     run_id: str
     resumed: bool
+    #: the folders creating it added (the run directory, then its new parents): removed again by a run refused at
+    #: setup, so a refused command leaves nothing behind
+    created: tuple[Path, ...] = ()
 
     @property
     def wandb_id(self) -> str:
@@ -90,7 +94,7 @@ def _validate(experiment: str, run_id: str | None) -> None:
         raise RunDirError(f"--run_id={run_id!r}; allowed: ASCII letters, digits, '_', '.', '-' (no '/', no spaces)")
 
 
-def _check_run_root(run_root: str | os.PathLike) -> None:
+def check_run_root(run_root: str | os.PathLike) -> None:
     """The run root is a folder this process may write (or can be created): else one line naming ``--run_root``."""
     root = Path(run_root)
     probe = root
@@ -262,16 +266,35 @@ def resolve_run_dir(run_root: str | os.PathLike, experiment: str, run_id: str | 
         path = Path(inherited)
         path.mkdir(parents=True, exist_ok=True)
         return RunDir(path, experiment, path.name, resumed=True)
-    _check_run_root(run_root)
+    check_run_root(run_root)
     base = Path(run_root) / experiment
     fixed = run_id or slurm_run_id()
+    try:
+        return _make(base, experiment, fixed, claim)
+    except PermissionError as exc:
+        raise RunDirError(f"--run_root={os.fspath(run_root)!r}: cannot create {exc.filename!r} ({exc.strerror}); "
+                          "allowed: a folder you can write") from None
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The folders from ``path`` up that do not exist yet (deepest first): what creating ``path`` adds."""
+    out = []
+    while not path.exists() and path != path.parent:
+        out.append(path)
+        path = path.parent
+    return out
+
+
+def _make(base: Path, experiment: str, fixed: str | None, claim: bool) -> RunDir:
     if fixed is not None:
         path = base / fixed
+        created = tuple(_missing_parents(path))
         path.mkdir(parents=True, exist_ok=True)
         if claim:
             claim_run_dir(path)
         resumed = any(p.name != CLAIM_FILE and not p.name.startswith(CLAIM_FILE + ".") for p in path.iterdir())
-        return RunDir(path, experiment, fixed, resumed)
+        return RunDir(path, experiment, fixed, resumed, created)
+    parents = _missing_parents(base)
     base.mkdir(parents=True, exist_ok=True)
     while True:  # never reuse an existing directory for a new run
         rid = new_run_id()
@@ -281,7 +304,7 @@ def resolve_run_dir(run_root: str | os.PathLike, experiment: str, run_id: str | 
             continue
         if claim:
             claim_run_dir(base / rid)
-        return RunDir(base / rid, experiment, rid, resumed=False)
+        return RunDir(base / rid, experiment, rid, False, (base / rid, *parents))
 
 
 def newest_checkpoint(paths: list[Path]) -> Path | None:

@@ -180,8 +180,11 @@ def main(argv: list[str]) -> int:
         storage = None
     configs = opts.config or _sweep_configs(opts.sweep)
     accelerator = opts.accelerator or _config_accelerator(configs)
-    log_dir = (folder / "slurm").resolve()  # SLURM opens the --output file before the script runs: it must exist
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = (folder / "slurm").resolve()  # SLURM opens the --output file before the script runs: made below
+    if accelerator == "cpu" and "--gpus-per-node" in " ".join(argv) and opts.gpus_per_node > 1:
+        print(f"lowrank submit: note: the config runs on the CPU (trainer.accelerator: cpu), so the job asks for no GPU "
+              f"and runs {opts.gpus_per_node} CPU processes per node; --accelerator gpu asks for "
+              f"{opts.gpus_per_node} GPUs per node", file=sys.stderr)
     fit_args = ["fit", *[a for c in opts.config for a in ("--config", c)], "--run_root", opts.run_root, *extra]
     try:
         script = render_script(
@@ -192,8 +195,8 @@ def main(argv: list[str]) -> int:
             trials_per_task=opts.trials_per_task, accelerator=accelerator,
             run_root=opts.run_root if opts.sweep else None,
         )
-    except ValueError as exc:
-        print(f"{exc}", file=sys.stderr)
+    except ValueError as exc:  # refused before anything is written
+        print(f"{str(exc).replace('lowrank submit: ', 'lowrank submit: error: ', 1)}", file=sys.stderr)
         return 2
     if opts.sweep and extra:
         script = script.rstrip("\n") + " " + shlex.join(extra) + "\n"
@@ -205,6 +208,7 @@ def main(argv: list[str]) -> int:
         print("lowrank submit: error: `sbatch` not found on PATH (not on a SLURM login node?); "
               "use --dry-run to print the script", file=sys.stderr)
         return 2
+    log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     path.write_text(script.replace("<this file>", str(path)))
     out = subprocess.run([sbatch, str(path)], capture_output=True, text=True, check=False)

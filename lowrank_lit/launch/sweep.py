@@ -158,8 +158,19 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"sweep file {str(path)!r} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise SweepError(f"{path}:{where}: YAML syntax error: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(raw, dict):
+        raise _fail(path, "not a sweep file (a W&B sweep file is a mapping with method, metric and parameters)")
     method = raw.get("method")
+    if method is None and "parameters" not in raw:
+        raise SweepError(f"{path} is not a sweep file (it has no method: and no parameters:); a W&B sweep file names "
+                         f"method ({', '.join(METHODS)}), metric.name and parameters, plus the command that runs a "
+                         "config: see sweeps/*.yaml, e.g. lowrank sweep sweeps/q3r.yaml")
     if method not in METHODS:
         raise _fail(path, f"method={method!r}; allowed: {', '.join(METHODS)}")
     metric = raw.get("metric") or {}
@@ -825,6 +836,10 @@ def main(argv: list[str]) -> int:
                         help="with --check: also parse every swept value through the real `lowrank fit` parser "
                         "(what every sweep does before its first trial)")
     opts, extra = parser.parse_known_args(argv)
+    if opts.n_trials is not None and opts.n_trials < 1:  # refused before a study or folder is created
+        print(f"lowrank sweep: error: --n-trials={opts.n_trials}; allowed: a positive integer (omit it to run until "
+              "the sweep's budget is met)", file=sys.stderr)
+        return 2
     try:
         spec = load_sweep(opts.sweep_file)
         clashes = flag_clashes(spec, extra)
@@ -851,6 +866,13 @@ def main(argv: list[str]) -> int:
         for note in notes if not opts.parse else []:
             print(f"  note: {note}")
         return 0
+    from lowrank_lit.launch.run_dir import RunDirError, check_run_root
+
+    try:
+        check_run_root(opts.run_root)
+    except RunDirError as exc:
+        print(f"lowrank sweep: error: {str(exc).replace('--run_root', '--run-root', 1)}", file=sys.stderr)
+        return 2
     seed = opts.seed if opts.seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
     study_name = opts.study_name or spec.path.stem
     stopped: SweepStopped | None = None
