@@ -171,25 +171,7 @@ def test_wandb_offline_without_network_or_key(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize(
-    ("extra", "needle"),
-    [
-        (["--model.init_args.bogus_key=1"], "model.init_args.bogus_key"),
-        (["--model.init_args.backbone.init_args.widht=3"], "model.init_args.backbone.init_args.widht"),
-        (["--trainer.max_epochs=abc"], "trainer.max_epochs"),
-        (["--config", "does/not/exist.yaml"], "does/not/exist.yaml"),
-        (["--data.init_args.image_size=0"], "image_size"),
-    ],
-)
-def test_bad_input_gives_one_line_error(extra, needle, run_root, capsys):
-    rc = run_cli("fit", "--config", MLP_CONFIG, *extra, run_root=run_root)
-    err_lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert rc == 2
-    assert err_lines and err_lines[-1].startswith("lowrank fit: error:")
-    assert needle in err_lines[-1]
-    assert not any("Traceback" in ln for ln in err_lines)
-
-
+# (the one-line refusals of bad inputs: tests/test_bad_inputs.py)
 def test_unknown_key_in_config_file(tmp_path, run_root, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  init_args:\n    bogus_key: 3\n")
@@ -335,45 +317,6 @@ def test_log_lines_of_an_evaluation_when_stdout_is_not_a_terminal(tmp_path):
     assert [ln.split()[2] for ln in batch_lines] == [f"{i}/{total}" for i in range(2, total, 2)], proc.stdout
     assert all("left ~" in ln for ln in batch_lines)
     assert lines[-1].startswith("test: test/acc ") and f"({total} batches in " in lines[-1]
-
-
-_NO_GPU = pytest.mark.skipif("__import__('torch').cuda.is_available()", reason="checks the message on a machine without a GPU")
-
-# (command line, what the one error line must say): each failed before a batch ran, and none leaves a run directory
-SETUP_ERRORS = [
-    pytest.param(["fit", "--config", "configs/q3r/mlp_digits.yaml", "--trainer.callbacks.init_args.targets=[backbone.nope]"],
-                 "Q3R: targets: pattern matches no module: 'backbone.nope' (module names: backbone,", id="q3r-target"),
-    pytest.param(["fit", "--config", "configs/capt/user_text_csv.yaml", "--data.init_args.train_path=/nope/train.csv"],
-                 "data.init_args.train_path='/nope/train.csv': no such file or folder", id="capt-user-csv"),
-    pytest.param(["fit", "--config", "configs/strank/real_slides.yaml", "--data.init_args.features=[a.npy, b.npy]",
-                  "--data.init_args.counts=[a.npy, b.npy]"],
-                 "data.init_args.features[0]='a.npy': no such file or folder", id="strank-real-slides"),
-    pytest.param(["fit", "--config", "configs/gaze_3dpe/real_gpu.yaml"],
-                 "trainer.accelerator='gpu', but no GPU is visible here", id="gaze-real-gpu", marks=_NO_GPU),
-    pytest.param(["test", "--config", "configs/trust/vmamba_tiny_imagenetc_gpu.yaml"],
-                 "trainer.accelerator='gpu', but no GPU is visible here", id="gpu-config-on-cpu", marks=_NO_GPU),
-    pytest.param(["fit", "--config", MLP_CONFIG, "--model.init_args.optimizer.init_args.lr=-1e-3"],
-                 "model.init_args.optimizer.init_args.lr=-0.001; allowed: a number > 0", id="negative-lr"),
-    pytest.param(["fit", "--config", MLP_CONFIG, "--model.init_args.optimizer.init_args.lr=0"],
-                 "model.init_args.optimizer.init_args.lr=0", id="zero-lr"),
-    pytest.param(["fit", "--config", MLP_CONFIG, "--trainer.max_epochs=-3"],
-                 "trainer.max_epochs=-3; allowed: -1 (no limit), 0 or a positive integer", id="negative-epochs"),
-    pytest.param(["test", "--config", "configs/shallow_diffuse/gaussian_shallow_diffuse.yaml", "--model.init_args.channel=3"],
-                 "RingKey: channel=3; allowed: 0..0 for 1 channels", id="shallow-diffuse-channel"),
-    pytest.param(["test", "--config", "configs/shallow_diffuse/gaussian_shallow_diffuse.yaml", "--model.init_args.radius=0"],
-                 "RingKey: radius=0; allowed: an integer in 1..", id="shallow-diffuse-radius-0"),
-]
-
-
-@pytest.mark.parametrize(("argv", "needle"), SETUP_ERRORS)
-def test_failed_setup_is_one_line_and_leaves_no_run_directory(argv, needle, tmp_path):
-    """Inputs that fail while the run is being set up: status 2, one `error:` line naming the argument, the value and
-    what is allowed, no traceback, no run directory (docs/cli.md lists these lines)."""
-    proc = _run([*argv, "--run_root", tmp_path / "runs"])
-    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(errors) == 1 and errors[0].startswith(f"lowrank {argv[0]}: error: ") and needle in errors[0], proc.stderr
-    assert run_dirs(tmp_path / "runs") == [] and not list((tmp_path / "runs").glob("*/*/*"))
 
 
 def test_callback_flag_reaches_the_last_callback_given_before_it(tmp_path):

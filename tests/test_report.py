@@ -154,3 +154,76 @@ def test_figures_have_titles_labels_and_content(tmp_path, checked_figures):
     degenerate = str(tmp_path / "flat.png")
     plot_recurrence({"Tent": {0: 0.3}}, degenerate)  # one recurrence, no per-corruption data: nothing to see
     assert any("distinct" in p for p in checked_figures[degenerate])
+
+
+# ------------------------------------------------------------------------ whose runs a summary reads
+def _config_run(root, experiment, run_id, config, files=None, seed=0, **top):
+    """A run directory whose config.yaml is a real config file's content (as `lowrank fit` saves it), plus files."""
+    from tests.helpers import CONFIGS
+
+    cfg = yaml.safe_load((CONFIGS / config).read_text())
+    cfg.update(experiment=experiment, run_id=run_id, seed_everything=seed, **top)
+    d = root / experiment / run_id
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    for name, text in (files or {}).items():
+        (d / name).write_text(text)
+    return d
+
+
+def _truncation(acc):
+    return "keep_fraction,kept_params,acc\n" + "".join(f"{k},{int(1000 * k)},{acc}\n" for k in (1.0, 0.5))
+
+
+def test_summarize_never_reads_another_methods_runs_and_says_so(tmp_path, capsys):
+    from lowrank_lit import report
+
+    for seed in (0, 1):
+        _config_run(tmp_path, "q3r/mlp_digits", f"s{seed}", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.9),
+                    "metrics.csv": "step,test/acc\n1,0.9\n"}, seed)
+    for slug in ("lope", "strank"):  # used to print a "HydraLoRA" row from these Q3R runs, or `error: 'loss'`
+        assert report.summarize_main([slug, str(tmp_path)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"lowrank summarize {slug}: no {slug} runs under {tmp_path}; left out 2 run(s): 2 x runs of "
+                       "another method (q3r)")
+
+
+def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, capsys):
+    from lowrank_lit import report
+
+    for seed in (0, 1):
+        _config_run(tmp_path, "q3r/mlp_digits", f"q{seed}", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.9)}, seed)
+        _config_run(tmp_path, "q3r/mlp_digits_adamw", f"a{seed}", "q3r/mlp_digits_adamw.yaml",
+                    {"truncation.csv": _truncation(0.5)}, seed)
+    # a sweep inside one experiment: its swept value is a column of its own
+    _config_run(tmp_path, "q3r/mlp_digits", "lam", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.7)},
+                test_after_fit=False)
+    assert report.summarize_main(["q3r", str(tmp_path)]) == 0  # one folder holding both experiments
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == ("| keep fraction | mlp_digits test_after_fit=False (n=1) | mlp_digits test_after_fit=True (n=2) | "
+                      "mlp_digits_adamw (n=2) |")  # in the order of the run folders
+
+
+def test_summarize_keeps_the_latest_of_repeated_evaluations_of_one_checkpoint(tmp_path, monkeypatch, capsys):
+    import os
+
+    from lowrank_lit import report
+
+    monkeypatch.setitem(report.BENCHMARK_SUMMARIES, "names", f"{__name__}._names_summary")
+    for i, run_id in enumerate(("first", "second", "third")):
+        d = _config_run(tmp_path, "glvq/mlp_digits_2bit", run_id, "glvq/mlp_digits_2bit.yaml",
+                        {"metrics.csv": "step,test/acc\n0,0.9\n"})
+        os.utime(d / "metrics.csv", (1000 + i, 1000 + i))
+    _config_run(tmp_path, "glvq/mlp_digits_2bit", "seed1", "glvq/mlp_digits_2bit.yaml", {"metrics.csv": "step\n0\n"}, 1)
+    assert report.summarize_main(["names", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == ["seed1", "third"]  # another seed is another evaluation; of the three, the latest
+    assert "left out 2 run(s): 2 x an earlier evaluation of runs/glvq/mlp_digits_fp/fp/checkpoints/last.ckpt" in err
+
+
+def test_summarize_with_no_run_of_the_method_says_so_and_exits_1(tmp_path, capsys):
+    from lowrank_lit import report
+
+    (tmp_path / "empty").mkdir()
+    assert report.summarize_main(["glvq", str(tmp_path / "empty")]) == 1
+    assert capsys.readouterr().err.strip() == f"lowrank summarize glvq: no glvq runs under {tmp_path / 'empty'}"

@@ -280,6 +280,9 @@ KNOWN_NOISE = (
     # the run directory already holds config.yaml (and wandb/); metrics.csv of an earlier attempt is kept as
     # metrics.<n>.csv by the run directory before the CSV logger starts, so nothing is deleted
     "Experiment logs directory .* exists and is not empty",
+    # Lightning's device summary on stderr at every Trainer: the run's start lines on stdout say what it runs on
+    # (``devices: ...``), so a command refused at setup prints its one error line only
+    "GPU available: ", "TPU available: ", "HPU available: ",
 )
 
 

@@ -157,6 +157,15 @@ class LowrankCLI(LightningCLI):
             help="After `fit`, run the test loop on the final weights (metrics land in the same run).",
         )
 
+    def after_instantiate_classes(self) -> None:
+        """Say what the run runs on (Lightning's own "GPU available" lines are silenced: they went to stderr)."""
+        super().after_instantiate_classes()
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and is_rank_zero() and self.subcommand is not None:
+            kind = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower()
+            print(f"devices: {trainer.num_nodes * trainer.num_devices} x {kind} ({trainer.num_nodes} node(s), "
+                  f"precision {trainer.precision})", flush=True)
+
     def after_fit(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if self.trainer.interrupted:

@@ -840,6 +840,13 @@ def main(argv: list[str]) -> int:
         print(f"lowrank sweep: error: --n-trials={opts.n_trials}; allowed: a positive integer (omit it to run until "
               "the sweep's budget is met)", file=sys.stderr)
         return 2
+    from lowrank_lit.launch.run_dir import RunDirError, check_run_root
+
+    try:
+        check_run_root(opts.run_root)
+    except RunDirError as exc:
+        print(f"lowrank sweep: error: {str(exc).replace('--run_root', '--run-root', 1)}", file=sys.stderr)
+        return 2
     try:
         spec = load_sweep(opts.sweep_file)
         clashes = flag_clashes(spec, extra)
@@ -866,13 +873,6 @@ def main(argv: list[str]) -> int:
         for note in notes if not opts.parse else []:
             print(f"  note: {note}")
         return 0
-    from lowrank_lit.launch.run_dir import RunDirError, check_run_root
-
-    try:
-        check_run_root(opts.run_root)
-    except RunDirError as exc:
-        print(f"lowrank sweep: error: {str(exc).replace('--run_root', '--run-root', 1)}", file=sys.stderr)
-        return 2
     seed = opts.seed if opts.seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
     study_name = opts.study_name or spec.path.stem
     stopped: SweepStopped | None = None
