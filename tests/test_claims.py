@@ -99,3 +99,20 @@ def test_claim_rules(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     (run / CLAIM_FILE).write_text(json.dumps(live))
     assert resolve_run_dir(tmp_path, "exp", "r", claim=True).path == run  # no refusal: workers share the claim
+
+
+def test_a_finished_fixed_id_run_started_again_is_reused_and_says_so(tmp_path, capsys):
+    """A page's "Try it" block run twice: its prerequisite (a fixed run id) finished with the same config is reused,
+    not refused and not trained again; another length is refused as before."""
+    from tests.helpers import run_cli
+
+    args = ("fit", "--config", MLP_CONFIG, "--trainer.max_epochs=1", "--test_after_fit=false", "--run_id", "fp")
+    assert run_cli(*args, run_root=tmp_path) == 0
+    run = tmp_path / "baseline" / "mlp_digits" / "fp"
+    before = _files(run)
+    capsys.readouterr()
+    assert run_cli(*args, run_root=tmp_path) == 0
+    assert "run baseline/mlp_digits/fp already finished with this config: reused" in capsys.readouterr().out
+    assert _files(run) == before
+    assert run_cli(*args[:3], "--trainer.max_epochs=2", *args[4:], run_root=tmp_path) == 2
+    assert "already has checkpoints; pass --ckpt_path last" in capsys.readouterr().err

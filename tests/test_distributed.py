@@ -45,6 +45,8 @@ def test_submit_dry_run_matches_counts():
     assert launch.startswith("srun --kill-on-bad-exit=1 ")
     assert "--trainer.num_nodes=2" in launch and "--trainer.devices=4" in launch and "--trainer.strategy=ddp" in launch
     assert "--config configs/baseline/vit_tiny_digits.yaml" in launch and "--trainer.accelerator=gpu" in launch
+    # srun does not inherit --cpus-per-task since Slurm 22.05: the script hands it on before srun starts the ranks
+    assert script.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK") < script.index("srun ")
 
 
 def test_submit_cpu_config_asks_for_no_gpu(tmp_path):
@@ -54,6 +56,12 @@ def test_submit_cpu_config_asks_for_no_gpu(tmp_path):
     assert "--gres" not in sweep
     launch = next(ln for ln in sweep.splitlines() if "lowrank_lit sweep" in ln)
     assert launch.startswith("srun --kill-on-bad-exit=1 ") and "--trainer.accelerator=cpu" in launch
+    # asking a CPU config for GPUs per node is said on stderr, not silently turned into CPU processes
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "submit", "--config", "configs/baseline/vit_tiny_digits.yaml",
+                           "--gpus-per-node", "4", "--run-root", str(tmp_path), "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0 and "--gres" not in proc.stdout
+    assert "runs on the CPU (trainer.accelerator: cpu), so the job asks for no GPU and runs 4 CPU processes" in proc.stderr
 
 
 def test_submitted_script_runs_and_its_log_lands(tmp_path):

@@ -1,0 +1,69 @@
+"""The verdict rule (lowrank_lit.stats.verdict) on hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lowrank_lit.stats import verdict
+
+T4 = 2.7764451051977987  # Student t, 0.975 quantile, 4 degrees of freedom (tables: 2.776)
+
+
+def test_a_t_interval_over_five_paired_seeds_by_hand():
+    # differences 1..5: mean 3, sd sqrt(2.5), half width t * sd / sqrt(5)
+    v = verdict([2, 4, 6, 8, 10], [1, 2, 3, 4, 5])
+    half = T4 * math.sqrt(2.5) / math.sqrt(5)
+    assert v.outcome == "holds" and v.n == 5 and v.mean == 3.0
+    assert math.isclose(v.low, 3 - half, rel_tol=1e-12) and math.isclose(v.high, 3 + half, rel_tol=1e-12)
+    assert math.isclose(v.low, 1.0367568, abs_tol=1e-6)
+
+
+def test_does_not_hold_when_the_interval_lies_below_the_margin():
+    v = verdict([0.80, 0.82, 0.81, 0.79, 0.83], [0.90, 0.91, 0.93, 0.90, 0.92])
+    # differences -0.10 -0.09 -0.12 -0.11 -0.09: mean -0.102, variance 1.7e-4
+    half = T4 * math.sqrt(1.7e-4 / 5)
+    assert v.outcome == "does not hold"
+    assert math.isclose(v.mean, -0.102, abs_tol=1e-12) and math.isclose(v.high, -0.102 + half, abs_tol=1e-12)
+
+
+def test_a_tie_when_the_interval_contains_the_margin():
+    v = verdict([0.01, -0.02, 0.015, 0.0, -0.01])  # already differences: mean -0.001, variance 2.05e-4
+    half = T4 * math.sqrt(2.05e-4 / 5)
+    assert v.outcome == "tie" and math.isclose(v.low, -0.001 - half, abs_tol=1e-12)
+    assert "tie: mean difference -0.0010, 95 % interval [-0.0188, +0.0168] over n=5" in str(v)
+
+
+def test_the_margin_moves_the_verdict():
+    assert verdict([1, 2, 3, 4, 5], margin=2.0).outcome == "tie"  # 1.04 < 2 < 4.96
+    assert verdict([1, 2, 3, 4, 5], margin=6.0).outcome == "does not hold"
+    assert verdict([1, 2, 3, 4, 5], margin=-1.0).outcome == "holds"
+
+
+def test_zero_variance_is_the_mean_itself():
+    v = verdict([0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
+    assert (v.outcome, v.low, v.high) == ("holds", 0.25, 0.25)
+    assert verdict([0.5, 0.5], [0.5, 0.5]).outcome == "tie"  # exactly the margin
+    assert verdict([0.5, 0.5], [0.5, 0.5], paired=False).outcome == "tie"
+
+
+def test_welch_interval_for_unpaired_samples():
+    a, b = [1.0, 2.0, 3.0], [0.0, 0.5, 1.0, 1.5]
+    v = verdict(a, b, paired=False)
+    va, vb = 1.0 / 3, (5 / 12) / 4  # sample variances 1 and 5/12 over the sizes
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 3)
+    from scipy.stats import t
+
+    assert math.isclose(v.high - v.mean, t.ppf(0.975, df) * math.sqrt(va + vb), rel_tol=1e-12)
+    assert math.isclose(v.mean, 2.0 - 0.75)
+
+
+@pytest.mark.parametrize(("ours", "theirs", "message"), [
+    ([0.9], [0.8], "at least 2"),
+    ([0.9, 0.8], [0.8], "paired samples of 2 and 1 values"),
+    ([0.9, float("nan")], None, "finite"),
+])
+def test_bad_input_is_refused(ours, theirs, message):
+    with pytest.raises(ValueError, match=message):
+        verdict(ours, theirs)
