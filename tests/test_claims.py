@@ -102,11 +102,14 @@ def test_claim_rules(tmp_path, monkeypatch):
 
 
 def test_a_finished_fixed_id_run_started_again_is_reused_and_says_so(tmp_path, capsys):
-    """A page's "Try it" block run twice: its prerequisite (a fixed run id) finished with the same config is reused,
-    not refused and not trained again; another length is refused as before."""
+    """A page's "Try it" block run twice: its prerequisite (a run id fixed in its config file) finished with the same
+    config is reused, not refused and not trained again; another length, or the id given on the command line, is
+    refused as before."""
     from tests.helpers import run_cli
 
-    args = ("fit", "--config", MLP_CONFIG, "--trainer.max_epochs=1", "--test_after_fit=false", "--run_id", "fp")
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text("run_id: fp\n")
+    args = ("fit", "--config", MLP_CONFIG, "--config", fixed, "--trainer.max_epochs=1", "--test_after_fit=false")
     assert run_cli(*args, run_root=tmp_path) == 0
     run = tmp_path / "baseline" / "mlp_digits" / "fp"
     before = _files(run)
@@ -114,5 +117,7 @@ def test_a_finished_fixed_id_run_started_again_is_reused_and_says_so(tmp_path, c
     assert run_cli(*args, run_root=tmp_path) == 0
     assert "run baseline/mlp_digits/fp already finished with this config: reused" in capsys.readouterr().out
     assert _files(run) == before
-    assert run_cli(*args[:3], "--trainer.max_epochs=2", *args[4:], run_root=tmp_path) == 2
+    assert run_cli(*args[:5], "--trainer.max_epochs=2", *args[6:], run_root=tmp_path) == 2
+    assert "already has checkpoints; pass --ckpt_path last" in capsys.readouterr().err
+    assert run_cli(*args, "--run_id", "fp", run_root=tmp_path) == 2  # given on purpose: resume it or pick another id
     assert "already has checkpoints; pass --ckpt_path last" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def test_submit_dry_run_matches_counts():
     assert "--trainer.num_nodes=2" in launch and "--trainer.devices=4" in launch and "--trainer.strategy=ddp" in launch
     assert "--config configs/baseline/vit_tiny_digits.yaml" in launch and "--trainer.accelerator=gpu" in launch
     # srun does not inherit --cpus-per-task since Slurm 22.05: the script hands it on before srun starts the ranks
-    assert script.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK") < script.index("srun ")
+    assert script.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK") < script.index("\nsrun ")
 
 
 def test_submit_cpu_config_asks_for_no_gpu(tmp_path):

@@ -121,6 +121,9 @@ class LowrankCLI(LightningCLI):
         """Parse as LightningCLI does; a parse error becomes one line naming the key (and the closest valid one)."""
         from jsonargparse import ArgumentError
 
+        argv = sys.argv[1:] if args is None else [str(a) for a in args]
+        # a run id from the command line re-enters a run on purpose; one set in a config file names a prerequisite
+        self._run_id_given = any(a == "--run_id" or a.startswith("--run_id=") for a in argv)
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as exc:
@@ -229,7 +232,7 @@ class LowrankCLI(LightningCLI):
             cfg.trainer.logger = self._loggers(cfg.trainer.get("logger"), run_dir)
             cfg.trainer.callbacks = self._callbacks(cfg.trainer.get("callbacks"), cfg, self.subcommand)
             if self.subcommand == "fit":
-                self._resume_point(cfg, run_dir)
+                self._resume_point(cfg, run_dir, reuse=not getattr(self, "_run_id_given", True))
             self._check_ckpt_path(cfg)
         except BaseException:
             self._remove_if_unstarted(run_dir)
@@ -271,13 +274,15 @@ class LowrankCLI(LightningCLI):
                                   f"config builds {ours.rsplit('.', 1)[-1]}; give the config of that run: --config {saved}")
 
     @staticmethod
-    def _resume_point(cfg: Namespace, run_dir: RunDir) -> None:
+    def _resume_point(cfg: Namespace, run_dir: RunDir, reuse: bool = False) -> None:
         """Re-entering a run directory never restarts training over its checkpoints, and never silently.
 
         ``--ckpt_path last`` resolves to the run's ``checkpoints/last.ckpt`` (an error naming the run
         directory when there is none). A requeued SLURM job resumes from Lightning's
         ``hpc_ckpt_*.ckpt`` (ckpt_path stays None) or, when there is none, from ``checkpoints/last.ckpt``.
-        Re-entering with ``--run_id`` needs an explicit ``--ckpt_path`` once the run has checkpoints.
+        Re-entering with ``--run_id`` needs an explicit ``--ckpt_path`` once the run has checkpoints. A run id set in
+        a config file (a prerequisite such as a source model) whose run finished with the same config is reused
+        (``reuse``): :class:`AlreadyFinished`.
         """
         ckpts = run_dir.path / "checkpoints"
         last = ckpts / "last.ckpt"
@@ -304,7 +309,7 @@ class LowrankCLI(LightningCLI):
                 if is_rank_zero():
                     print(f"requeued SLURM job {run_dir.run_id}: resuming from {newest}", flush=True)
             return
-        if has_ckpts and _finished_with(cfg, run_dir):
+        if has_ckpts and reuse and _finished_with(cfg, run_dir):
             raise AlreadyFinished(run_dir)
         if has_ckpts:
             raise ConfigError(
@@ -484,9 +489,9 @@ def _finished_with(cfg: Namespace, run_dir: RunDir) -> bool:
 
 
 class AlreadyFinished(Exception):
-    """A fixed-id run (a prerequisite whose config sets ``run_id``, or an explicit ``--run_id``) started again after
-    it finished with the same model, data, seed and length: it is reused, not trained again (``lowrank`` says so
-    and exits 0), so a quick run a user repeats works again."""
+    """A fixed-id run (a prerequisite whose config file sets ``run_id``) started again after it finished with the
+    same model, data, seed and length: it is reused, not trained again (``lowrank`` says so and exits 0), so a quick
+    run a user repeats works again. An explicit ``--run_id`` is still refused (resume it with ``--ckpt_path last``)."""
 
     def __init__(self, run_dir: RunDir) -> None:
         super().__init__(f"run {run_dir.experiment}/{run_dir.run_id} already finished with this config: reused "

@@ -15,5 +15,5 @@ set -euo pipefail
 cd {workdir}
 export PYTHONUNBUFFERED=1   # progress lines reach the log as they are printed (one per epoch: stdout is a file)
 # since Slurm 22.05 srun does not inherit --cpus-per-task: without this every rank gets one core for its data loaders
-export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+if [ -n "${{SLURM_CPUS_PER_TASK:-}}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
 {launch}
