@@ -399,15 +399,21 @@ def plot_heatmaps(grid: Grid, rows: list[dict[str, Any]], root: Path) -> list[Pa
     return out
 
 
-def _check_only(grid: Grid, base: str, tmp: Path, name: str, root: Path, argv: Sequence[str]) -> int:
-    """``--check``: build every cell (in ``tmp``) and report; 0 when every cell builds, 1 otherwise."""
-    tmp.mkdir(parents=True)
-    files = prepare(grid, base, tmp, name)
-    bad = check_cells(grid, base, tmp, files)
+def _build_cells(grid: Grid, base: str, root: Path, name: str) -> tuple[dict[str, Path], dict[str, str]]:
+    """Write and build every cell under ``root``; report the incompatible ones (stderr) and the count (stdout)."""
+    files = prepare(grid, base, root, name)
+    bad = check_cells(grid, base, root, files)
     for cell, why in bad.items():
         print(f"lowrank matrix: {cell}: incompatible: {why}", file=sys.stderr)
     runnable = len(files) - len(bad)
     print(f"{len(files)} cells x {len(grid.seeds)} seeds: {runnable} cells build, {len(bad)} incompatible", flush=True)
+    return files, bad
+
+
+def _check_only(grid: Grid, base: str, tmp: Path, name: str, root: Path, argv: Sequence[str]) -> int:
+    """``--check``: build every cell (in ``tmp``) and report; 0 when every cell builds, 1 otherwise."""
+    tmp.mkdir(parents=True)
+    _, bad = _build_cells(grid, base, tmp, name)
     again = shlex.join(["lowrank", "matrix", *[a for a in argv if a != "--check"], "--limit", "0"])
     print(f"--check wrote nothing under {root}; to write the cells and the per-seed sweep files there and print the "
           f"SLURM array command of each seed, run: {again}")
@@ -458,12 +464,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"lowrank matrix: error: --root={str(root)!r}: cannot create it ({exc.strerror}); allowed: a folder you "
               "can write", file=sys.stderr)
         return 2
-    files = prepare(grid, base, root, name)
-    bad = check_cells(grid, base, root, files)
-    for cell, why in bad.items():
-        print(f"lowrank matrix: {cell}: incompatible: {why}", file=sys.stderr)
+    files, bad = _build_cells(grid, base, root, name)
     runnable = len(files) - len(bad)
-    print(f"{len(files)} cells x {len(grid.seeds)} seeds: {runnable} cells build, {len(bad)} incompatible", flush=True)
     pending = sweep_files(grid, base, root, name, files, set(bad)) if runnable else []
     for seed, sweep, study, cells in pending:
         submit = ["lowrank", "submit", "--sweep", str(sweep), "--array", "K", "--storage", str(root / "matrix.journal"),
