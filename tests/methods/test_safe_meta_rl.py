@@ -353,12 +353,13 @@ def test_must_show_pointnav_fewer_violations(pointnav_runs):
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="PointNav2D seeds 0-4: safe step 1 violation (seed 1), final J_r -17.19 +/- 2.15; "
                    "fixed multiplier 2 violations, -16.67 +/- 1.65 (docs/methods/safe_meta_rl.md, Not reproduced here)")
 def test_must_show_pointnav_safe_and_better_than_the_fixed_multiplier(pointnav_runs):
-    """Our acceptance criterion: zero violations after every step over 5 seeds, and a final reward above the
-    fixed-multiplier baseline's."""
-    import statistics
+    """Our acceptance criterion: zero violations after every step over 5 seeds (a count, on every seed), and a final
+    reward above the fixed-multiplier baseline's, judged by the verdict rule (paired over seeds 0-4): must hold."""
+    from lowrank_lit.stats import verdict
 
-    final = {a: statistics.fmean(m["test/J_r_final"] for m in r) for a, r in pointnav_runs.items()}
-    assert _violations(pointnav_runs["safe"]) == 0 and final["safe"] > final["pg_lagrange"], final
+    final = {a: [m["test/J_r_final"] for m in r] for a, r in pointnav_runs.items()}
+    v = verdict(final["safe"], final["pg_lagrange"])
+    assert _violations(pointnav_runs["safe"]) == 0 and v.outcome == "holds", (str(v), final)
 
 
 def test_tilt_rejects_rows_that_are_not_distributions():

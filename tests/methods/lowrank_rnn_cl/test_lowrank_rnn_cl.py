@@ -150,11 +150,12 @@ def test_must_show_memory_anti_with_the_hold_loss(stream_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "seeds 0-4 (lowrank sweep sweeps/lowrank_rnn_cl_hold.yaml): MemoryAnti zero-shot of what+how 0.48 +- 0.22 "
-    "(0.78 / 0.24 / 0.32 / 0.59 / 0.45) against >= 0.6; the memory component moves the state during the delay "
-    "(relative distance 0.69 from the stimulus state); with our hold loss 0.93 on every seed "
-    "(docs/methods/lowrank_rnn_cl.md, Not reproduced here)"))
 def test_must_show_memory_anti_zero_shot(stream_runs):
-    """The paper's claim at our bar: MemoryAnti zero-shot >= 0.6 for what+how as the paper trains it."""
-    assert _zero_shot(stream_runs["what_how"]) >= 0.6
+    """The paper's claim at our bar, MemoryAnti zero-shot >= 0.6 for what+how as the paper trains it, judged by the
+    verdict rule over seeds 0-4: a tie (0.78 / 0.24 / 0.32 / 0.59 / 0.45, mean 0.48, 95 % interval [0.20, 0.75]
+    contains 0.6; docs/methods/lowrank_rnn_cl.md, Not reproduced here). Red the day the seeds decide it."""
+    from lowrank_lit.stats import verdict
+
+    zero_shot = [float(rows[-1]["MemoryAnti"]) for rows, _ in stream_runs["what_how"]]
+    v = verdict(zero_shot, margin=0.6)
+    assert v.outcome == "tie" and v.low <= 0.6 <= v.high, (str(v), zero_shot)
