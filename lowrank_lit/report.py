@@ -393,13 +393,16 @@ def group_runs(runs: Sequence[Run], strip: str = "") -> dict[str, list[Run]]:
     """The runs by experiment and, within an experiment, by the values that differ between its runs (a sweep's
     values), never across: label -> runs, in first-seen order. Seeds and the runs' own ids and paths are replicates,
     not groups. ``strip`` is a prefix left off the labels (``"q3r/"``)."""
+    def config(run: Run) -> dict[str, Any]:  # a run without a saved config is labelled by its folder
+        return run.config if (run.path / "config.yaml").is_file() else {}
+
     by_exp: dict[str, list[Run]] = {}
     for run in runs:
-        exp = str(run.config.get("experiment") or run.path.parent.name)
+        exp = str(config(run).get("experiment") or run.path.parent.name)
         by_exp.setdefault(exp.removeprefix(strip) if strip else exp, []).append(run)
     groups: dict[str, list[Run]] = {}
     for exp, members in by_exp.items():
-        flats = [{k: v for k, v in _flat(r.config).items() if not _is_replicate_key(k)} for r in members]
+        flats = [{k: v for k, v in _flat(config(r)).items() if not _is_replicate_key(k)} for r in members]
         keys = sorted({k for f in flats for k in f})
         varying = [k for k in keys if len({repr(f.get(k)) for f in flats}) > 1]
         for run, flat in zip(members, flats, strict=True):
