@@ -14,6 +14,9 @@ from lowrank_lit.nn.lora import (
     mark_only_adapters_trainable,
 )
 
+#: our LoRA against peft's, compared as floats: CI runs these under ATEN_CPU_CAPABILITY=default and avx2 too (.ci/run)
+pytestmark = pytest.mark.floats
+
 
 def _linear(d_in: int = 16, d_out: int = 12) -> nn.Linear:
     torch.manual_seed(0)

@@ -29,6 +29,9 @@ import pytest
 
 from tests.helpers import CONFIGS, run_cli
 
+#: pinned per-step values: CI runs these under ATEN_CPU_CAPABILITY=default and avx2 too (.ci/run)
+pytestmark = pytest.mark.floats
+
 FIT3 = ["--trainer.max_steps=3", "--trainer.max_epochs=-1", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0",
         "--test_after_fit=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
