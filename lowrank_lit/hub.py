@@ -6,6 +6,7 @@ At the bottom of the package (it imports no other module of it), so data modules
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -105,8 +106,6 @@ def portable_base(model: Any) -> dict[str, Any]:
     ``{"num_hidden_layers": 2}`` for a truncated backbone; the whole config of a model built from one): the keyword
     arguments that make ``AutoModel.from_pretrained(name, **config)`` build the same model.
     """
-    import os
-
     from transformers import AutoConfig
 
     source = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")

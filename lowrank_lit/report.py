@@ -349,7 +349,7 @@ class RunFilter:
                 self._skip(why)
         latest: dict[str, Run] = {}
         for run in mine:
-            ckpt = run.config.get("ckpt_path") if isinstance(run.config, dict) else None
+            ckpt = _saved_config(run).get("ckpt_path")
             if not ckpt:
                 latest[str(run.path)] = run
                 continue
@@ -361,6 +361,11 @@ class RunFilter:
                 latest[key] = run
         kept = set(map(id, latest.values()))
         return [r for r in mine if id(r) in kept]
+
+
+def _saved_config(run: Run) -> dict[str, Any]:
+    """The run's saved config, or an empty one when it saved none (such a run is labelled by its folder)."""
+    return run.config if (run.path / "config.yaml").is_file() else {}
 
 
 def _flat(value: Any, key: str = "") -> dict[str, Any]:
@@ -393,16 +398,13 @@ def group_runs(runs: Sequence[Run], strip: str = "") -> dict[str, list[Run]]:
     """The runs by experiment and, within an experiment, by the values that differ between its runs (a sweep's
     values), never across: label -> runs, in first-seen order. Seeds and the runs' own ids and paths are replicates,
     not groups. ``strip`` is a prefix left off the labels (``"q3r/"``)."""
-    def config(run: Run) -> dict[str, Any]:  # a run without a saved config is labelled by its folder
-        return run.config if (run.path / "config.yaml").is_file() else {}
-
     by_exp: dict[str, list[Run]] = {}
     for run in runs:
-        exp = str(config(run).get("experiment") or run.path.parent.name)
+        exp = str(_saved_config(run).get("experiment") or run.path.parent.name)
         by_exp.setdefault(exp.removeprefix(strip) if strip else exp, []).append(run)
     groups: dict[str, list[Run]] = {}
     for exp, members in by_exp.items():
-        flats = [{k: v for k, v in _flat(config(r)).items() if not _is_replicate_key(k)} for r in members]
+        flats = [{k: v for k, v in _flat(_saved_config(r)).items() if not _is_replicate_key(k)} for r in members]
         keys = sorted({k for f in flats for k in f})
         varying = [k for k in keys if len({repr(f.get(k)) for f in flats}) > 1]
         for run, flat in zip(members, flats, strict=True):
@@ -477,12 +479,14 @@ class Summary:
             markdown table, and writes a figure to ``out`` when it is given.
         options: extra ``--name`` options of ``lowrank summarize <slug>`` -> their default values.
         help: one line for ``lowrank summarize --help``.
+        module: the registered method's module (its runs build its classes); None for a benchmark.
     """
 
     slug: str
     fn: Callable[..., str]
     options: dict[str, Any] = field(default_factory=dict)
     help: str = ""
+    module: str | None = None
 
 
 #: summaries of benchmarks that span several methods: name -> dotted path of the summary function
@@ -512,7 +516,8 @@ def get_summary(slug: str) -> Summary:
     fn = getattr(importlib.import_module(module), name)
     params = list(inspect.signature(fn).parameters.values())[2:]
     options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-    return Summary(slug, fn, options, (fn.__doc__ or "").strip().splitlines()[0])
+    return Summary(slug, fn, options, (fn.__doc__ or "").strip().splitlines()[0],
+                   info.target.rpartition(".")[0] if info is not None else None)
 
 
 def summarize_main(argv: Sequence[str]) -> int:
@@ -548,11 +553,9 @@ def summarize_main(argv: Sequence[str]) -> int:
             print(f"{run}  ({run.debug_reason})")
         print(f"{len(debug)} debug run(s)", file=sys.stderr)
         return 0
-    from lowrank_lit import registry
+    from lowrank_lit.registry import project_root
 
-    info = next((m for m in registry.scan_methods() if m.slug == summary.slug), None)
-    run_filter = RunFilter(summary.slug, info.target.rpartition(".")[0] if info else None,
-                           registry.project_root() / "configs" / summary.slug)
+    run_filter = RunFilter(summary.slug, summary.module, project_root() / "configs" / summary.slug)
     missing = [r for r in roots if not os.path.exists(r)]
     if missing:
         print(f"lowrank summarize {summary.slug}: error: {missing[0]!r} does not exist; give run directories or "
@@ -565,7 +568,7 @@ def summarize_main(argv: Sequence[str]) -> int:
         print(f"lowrank summarize {summary.slug}: {exc}{_skipped_note(run_filter)}", file=sys.stderr)
         return 1
     except (FileNotFoundError, LookupError, ValueError) as exc:
-        if not any(True for _ in _method_runs(roots, run_filter)):
+        if not any(run_filter.belongs(Run(d)) is None for d in find_runs(roots, "config.yaml")):
             print(f"lowrank summarize {summary.slug}: {NoMethodRuns(summary.slug, roots)}{_skipped_note(run_filter)}",
                   file=sys.stderr)
             return 1
@@ -581,13 +584,6 @@ def summarize_main(argv: Sequence[str]) -> int:
         print(f"lowrank summarize: left out {len(debug)} debug run(s) (fast_dev_run, overfit_batches, limit_train_batches); "
               "--list-debug names them, --include-debug keeps them", file=sys.stderr)
     return 0
-
-
-def _method_runs(roots: Sequence[str], run_filter: RunFilter) -> list[Run]:
-    """The method's runs (any marker) under ``roots``, counted afresh."""
-    probe = RunFilter.__new__(RunFilter)
-    probe.__dict__.update(run_filter.__dict__, skipped={})
-    return [r for r in (Run(d) for d in find_runs(roots, "config.yaml")) if probe.belongs(r) is None]
 
 
 def _skipped_note(run_filter: RunFilter) -> str:

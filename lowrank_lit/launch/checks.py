@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 __all__ = [
-    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
+    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "prerequisite_command", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed",
 ]
@@ -391,6 +391,14 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
     return lines[0]
 
 
+def yaml_syntax_error(path: str | os.PathLike, exc: Exception) -> str:
+    """``"<path>: line L, column C: YAML syntax error: <problem>"`` for a YAML parse error of the file ``path``."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or first_line(exc)
+    return f"{os.fspath(path)}:{where}: YAML syntax error: {problem}"
+
+
 def config_file_error(files: Sequence[str]) -> str | None:
     """One line for the first ``--config`` that is not a readable YAML file (missing, a folder, a syntax error with
     its file, line and column), else None. Reads the files as text only: no Lightning, no torch."""
@@ -407,9 +415,7 @@ def config_file_error(files: Sequence[str]) -> str | None:
         try:
             yaml.safe_load(path.read_text())
         except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            return f"--config: {f}:{where}: YAML syntax error: {exc.problem or exc.context}"
+            return f"--config: {yaml_syntax_error(f, exc)}"
         except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
             return f"--config: {f}: not a readable YAML file ({first_line(exc)})"
     return None

@@ -243,8 +243,9 @@ def main(argv: Sequence[str]) -> int:
         return 0
     from lowrank_lit.launch.checks import config_file_error, config_files
 
-    bad = config_file_error(config_files(argv)) if config_files(argv) else "--config: give a config file, e.g. " \
-        "lowrank estimate --config configs/lope/llama_gpu.yaml"
+    files = config_files(argv)
+    bad = config_file_error(files) if files else \
+        "--config: give a config file, e.g. lowrank estimate --config configs/lope/llama_gpu.yaml"
     if bad:
         print(f"lowrank estimate: error: {bad}", file=sys.stderr)
         return 2

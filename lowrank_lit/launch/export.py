@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from lowrank_lit.artifacts import (
+    META,
     ArtifactError,
     aliases,
     apply_artifact,
@@ -464,7 +465,7 @@ def main_load(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if args.out and Path(args.out).exists():
         parser.error(f"--out: {args.out!r} exists; choose a new file")
-    if (Path(args.artifact) / FACTORS_META).is_file() and not (Path(args.artifact) / "artifact.json").is_file():
+    if (Path(args.artifact) / FACTORS_META).is_file() and not (Path(args.artifact) / META).is_file():
         return _load_factors_main(args.artifact, args.out)
     try:
         meta, tensors = read_artifact(args.artifact)  # read once: the base's config and the tensors

@@ -55,7 +55,7 @@ from typing import Any
 
 import yaml
 
-from lowrank_lit.launch.checks import PRUNE_ENV
+from lowrank_lit.launch.checks import PRUNE_ENV, yaml_syntax_error
 from lowrank_lit.report import read_metric
 
 __all__ = ["SweepSpec", "SweepError", "SweepStopped", "load_sweep", "format_value", "run_sweep", "sweep_folder", "default_storage", "main"]
@@ -161,9 +161,7 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise SweepError(f"{path}:{where}: YAML syntax error: {getattr(exc, 'problem', None) or exc}") from None
+        raise SweepError(yaml_syntax_error(path, exc)) from None
     if not isinstance(raw, dict):
         raise _fail(path, "not a sweep file (a W&B sweep file is a mapping with method, metric and parameters)")
     method = raw.get("method")
