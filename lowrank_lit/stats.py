@@ -14,6 +14,10 @@ Every must-show slow test asserts the verdict its method page states (see docs/r
     v = verdict(glvq_acc, rtn_acc)            # paired over seeds 0-4
     assert v.outcome == "tie", v              # the page says: a tie within noise
 
+or, in one call that raises ``AssertionError`` naming the claim and the interval::
+
+    expect_verdict("tie", glvq_acc, rtn_acc, claim="GLVQ >= RTN at 2 bits")
+
 Unpaired samples (``paired=False``) use Welch's interval. With zero spread the interval is the mean itself.
 """
 
@@ -24,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Verdict", "verdict", "OUTCOMES"]
+__all__ = ["Verdict", "verdict", "expect_verdict", "OUTCOMES"]
 
 #: the three outcomes of :func:`verdict`
 OUTCOMES = ("holds", "does not hold", "tie")
@@ -111,3 +115,29 @@ def verdict(ours: Sequence[float], theirs: Sequence[float] | None = None, paired
     low, high = mean - half, mean + half
     outcome = "holds" if low > margin else "does not hold" if high < margin else "tie"
     return Verdict(outcome, mean, low, high, n, margin, confidence)
+
+
+def expect_verdict(expected: str, ours: Sequence[float], theirs: Sequence[float] | None = None, *,
+                   margin: float = 0.0, paired: bool = True, claim: str = "") -> Verdict:
+    """:func:`verdict`, raising ``AssertionError`` unless its outcome is ``expected`` (what a slow test asserts).
+
+    A claim that does not hold is asserted as ``expect_verdict("holds", ...)`` under
+    ``pytest.mark.xfail(strict=True, raises=AssertionError)``; a tie as ``expect_verdict("tie", ...)``.
+
+    Args:
+        expected: ``"holds"``, ``"does not hold"`` or ``"tie"``.
+        ours, theirs, margin, paired: as for :func:`verdict`.
+        claim: the claim in words, for the message.
+
+    Raises:
+        ValueError: ``expected`` is not an outcome (or :func:`verdict`'s own errors).
+        AssertionError: the outcome differs; the message names the claim, both outcomes and the interval.
+    """
+    if expected not in OUTCOMES:
+        raise ValueError(f"expected={expected!r}; allowed: {', '.join(OUTCOMES)}")
+    v = verdict(ours, theirs, paired=paired, margin=margin)
+    if v.outcome != expected:
+        raise AssertionError(f"{claim or 'claim'}: expected {expected}, got {v} "
+                             f"(ours {[round(float(x), 4) for x in ours]}"
+                             + ("" if theirs is None else f", theirs {[round(float(x), 4) for x in theirs]}") + ")")
+    return v

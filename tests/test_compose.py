@@ -73,28 +73,50 @@ def test_compress_adapt_merge_configs_run(config, tmp_path):
     assert row.get("codes_unchanged", "1.0") == "1.0"
 
 
+#: seeds of the compress -> adapt -> merge study (each run about 30 s)
+MERGE_SEEDS = (0, 1, 2, 3, 4)
+
+
 @pytest.mark.slow
-def test_compress_adapt_merge_on_the_digits_mlp(tmp_path):
-    """GLVQ-2 + LoRA r=4 >= GLVQ-2 + 0.01 and >= fp - 0.01; the merged, re-quantized model within 0.01 of the adapted
-    one (means over seeds 0 and 1); RTN-2 measured as the reference. Our acceptance criterion for the composition."""
+def test_must_show_compress_adapt_merge_on_the_digits_mlp(tmp_path):
+    """Our acceptance criterion for the composition, each part judged by the verdict rule paired over seeds 0-4:
+    GLVQ-2 + LoRA r=4 >= GLVQ-2 + 0.01 and >= fp - 0.01; the merged, re-quantized model within 0.01 of the adapted
+    one (two one-sided claims); RTN-2 measured as the reference (docs/compose.md has the verdicts and intervals)."""
+    from lowrank_lit.stats import verdict
+
     assert run_cli("fit", "--config", ROOT / "configs" / "glvq" / "mlp_digits_fp.yaml", run_root=tmp_path / "runs") == 0
     fp_ckpt = tmp_path / "runs" / "glvq" / "mlp_digits_fp" / "fp" / "checkpoints" / "last.ckpt"
     got: dict[str, list[dict[str, float]]] = {"glvq": [], "rtn": []}
     for method in got:
-        for seed in (0, 1):
+        for seed in MERGE_SEEDS:
             assert run_cli("fit", "--config", ROOT / "configs" / "compose" / f"{method}_lora_merge.yaml",
                            f"--seed_everything={seed}", f"--trainer.callbacks.init_args.fp_ckpt={fp_ckpt}",
                            "--run_id", f"s{seed}", run_root=tmp_path / "runs") == 0
             path = tmp_path / "runs" / "compose" / f"{method}_lora_merge" / f"s{seed}" / "compose.csv"
             got[method].append({k: float(v) for k, v in next(csv.DictReader(path.open())).items()})
 
-    def mean(method: str, key: str) -> float:
-        return sum(r[key] for r in got[method]) / len(got[method])
+    def col(key: str) -> list[float]:
+        return [r[key] for r in got["glvq"]]
 
     assert all(r["codes_unchanged"] == 1.0 for r in got["glvq"])
-    assert mean("glvq", "acc_adapted") >= mean("glvq", "acc_quantized") + 0.01
-    assert mean("glvq", "acc_adapted") >= mean("glvq", "acc_fp") - 0.01
-    assert abs(mean("glvq", "acc_adapted") - mean("glvq", "acc_merged")) <= 0.01
+    adapted, merged = col("acc_adapted"), col("acc_merged")
+    verdicts = {
+        "adapters recover >= 1 point": verdict(adapted, col("acc_quantized"), margin=0.01),
+        "adapted >= fp - 1 point": verdict(adapted, col("acc_fp"), margin=-0.01),
+        "merged > adapted - 1 point": verdict(merged, adapted, margin=-0.01),
+        "merged < adapted + 1 point": verdict(adapted, merged, margin=-0.01),
+    }
+    print(got, {k: str(v) for k, v in verdicts.items()})
+    assert {k: v.outcome for k, v in verdicts.items()} == MERGE_VERDICTS, {k: str(v) for k, v in verdicts.items()}
+
+
+#: what docs/compose.md states for the study above (seeds 0-4)
+MERGE_VERDICTS = {
+    "adapters recover >= 1 point": "holds",
+    "adapted >= fp - 1 point": "holds",
+    "merged > adapted - 1 point": "holds",
+    "merged < adapted + 1 point": "holds",
+}
 
 
 def test_reservoir_around_trust_runs_and_opens_a_copy_per_corruption(tmp_path):

@@ -124,22 +124,31 @@ def _mean(runs: list[dict[str, float]], key: str) -> float:
 def test_must_show_frozen_features_fail():
     """The benchmark's reason to exist, lower side, over data splits 0-2 on the real all-MiniLM-L6-v2 (all six
     layers): a logistic-regression head on frozen features stays <= 85 % on the two hardest families and <= 90 %
-    overall. ``python benchmarks/compositional_ceiling.py --methods head`` prints the same table (~1.5 min)."""
+    overall, each judged by the verdict rule over the splits (holds: 56.7 +- 1.5 % overall, 48.9 +- 0.6 % and 52.8 +-
+    1.1 % on order and agreement). ``python benchmarks/compositional_ceiling.py --methods head`` prints the same
+    table (~1.5 min)."""
     from lowrank_lit.peft_bench import linear_probe
+    from lowrank_lit.stats import expect_verdict
 
     probe = [linear_probe(seed) for seed in (0, 1, 2)]
     hardest = sorted(FAMILIES, key=lambda f: _mean(probe, f))[:2]
-    assert all(_mean(probe, f) <= 0.85 for f in hardest), probe
-    assert _mean(probe, "overall") <= 0.90, probe
+    for f in hardest:  # judged by the verdict rule over the splits: 0.85 - accuracy > 0
+        expect_verdict("holds", [0.85 - p[f] for p in probe], claim=f"frozen features <= 85 % on {f}")
+    expect_verdict("holds", [0.90 - p["overall"] for p in probe], claim="frozen features <= 90 % overall")
 
 
 @pytest.mark.slow
 def test_must_show_fine_tuning_solves_it():
     """The upper side, over data split and init seeds 0-2: full fine-tuning (10 epochs, AdamW 5e-5) reaches >= 95 %
-    overall and on every family, so the gap adaptation can close is real.
+    overall and on every family, so the gap adaptation can close is real. Judged by the verdict rule over the three
+    seeds it holds overall and on every family but negation, a tie (99.6 / 99.8 / 95.8 %: seed 2 is 0.8 points
+    above the bar, and three seeds leave an interval of about +-5.6 points).
     ``python benchmarks/compositional_ceiling.py --methods fine_tune`` prints the same table (~40 min)."""
     from lowrank_lit.peft_bench import fine_tune
+    from lowrank_lit.stats import expect_verdict
 
     tuned = [fine_tune(seed) for seed in (0, 1, 2)]
-    assert _mean(tuned, "overall") >= 0.95, tuned
-    assert all(_mean(tuned, f) >= 0.95 for f in FAMILIES), tuned
+    expect_verdict("holds", [t["overall"] for t in tuned], margin=0.95, claim="fine-tuning >= 95 % overall")
+    for f in FAMILIES:
+        expect_verdict("tie" if f == "negation" else "holds", [t[f] for t in tuned], margin=0.95,
+                       claim=f"fine-tuning >= 95 % on {f}")

@@ -178,19 +178,31 @@ def test_quick_run_parser_refuses_a_page_without_one(tmp_path):
     page.write_text("# M\n\n## Try it\n\n```bash\nlowrank fit --config configs/m/a.yaml\n```\n\nIt is quick.\n")
     with pytest.raises(ValueError, match="ends with `KEY VALUE`"):
         quick.quick_run(page)
-    page.write_text("# M\n\n## Try it\n\n```bash\nlowrank fit --config configs/m/a.yaml && \\\n  lowrank test "
-                    "--config configs/m/b.yaml\n```\n\nAbout 2 min on a 2-core laptop CPU; it ends with `test/acc 0.97`.\n")
+    block = ("# M\n\n## Try it\n\n```bash\nlowrank fit --config configs/m/a.yaml && \\\n  lowrank test "
+             "--config configs/m/b.yaml\n```\n\nAbout 2 min on a 2-core laptop CPU; it ends with `test/acc 0.97`")
+    page.write_text(block + " (seed 0).\n")
+    with pytest.raises(ValueError, match="give its band, '\\(LOW-HIGH across CPU kernels and threads'"):
+        quick.quick_run(page)
+    page.write_text(block + " (0.98-0.99 across CPU kernels and threads; seed 0).\n")
+    with pytest.raises(ValueError, match="the band 0.98-0.99 does not contain the page's value 0.97"):
+        quick.quick_run(page)
+    page.write_text(block + " (0.95-0.97 across CPU kernels and\nthreads; seed 0).\n")
     run = quick.quick_run(page)
-    assert run.seconds == 120 and (run.key, run.value, run.decimals) == ("test/acc", 0.97, 2)
+    assert run.seconds == 120 and (run.key, run.value, run.decimals, run.low, run.high) == ("test/acc", 0.97, 2, 0.95, 0.97)
     assert [c[:2] for c in run.commands] == [["lowrank", "fit"], ["lowrank", "test"]]
     log = "test: test/acc 0.9711  test/loss 0.12\n│ test/acc │ 0.9711111 │\nval/test/acc 0.1"
     assert quick.printed_value(log, "test/acc") == 0.9711111 and quick.printed_value(log, "test/f1") is None
-    assert quick.agrees(run, 0.9711) and not quick.agrees(run, 0.95)
+    # inside the band to the page's two decimals; 1 % off the page's value is no longer enough
+    assert quick.agrees(run, 0.9711) and quick.agrees(run, 0.946) and not quick.agrees(run, 0.944)
+    assert not quick.agrees(run, 0.9751) and not quick.agrees(run, None)
+    page.write_text(block.replace("0.97`", "0`") + " (the same across CPU kernels and threads; seed 0).\n")
+    run = quick.quick_run(page)
+    assert (run.low, run.high) == (0.0, 0.0) and quick.agrees(run, 0.4) and not quick.agrees(run, 1.0)
 
 
 @pytest.mark.slow
 def test_every_quick_run_prints_what_its_page_says(tmp_path):
-    """Runs the 19 quick runs (about 40 min on 2 cores) and compares the printed number with the page."""
+    """Runs the 19 quick runs (about 40 min on 2 cores) and checks each printed number lies in its page's band."""
     import subprocess
     import sys
 

@@ -1,13 +1,17 @@
-"""The verdict rule (lowrank_lit.stats.verdict) on hand-computed cases."""
+"""The verdict rule (lowrank_lit.stats.verdict) on hand-computed cases, and the contract that every must-show test
+uses it."""
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 
 from lowrank_lit.stats import verdict
 
+TESTS = Path(__file__).resolve().parent
 T4 = 2.7764451051977987  # Student t, 0.975 quantile, 4 degrees of freedom (tables: 2.776)
 
 
@@ -67,3 +71,52 @@ def test_welch_interval_for_unpaired_samples():
 def test_bad_input_is_refused(ours, theirs, message):
     with pytest.raises(ValueError, match=message):
         verdict(ours, theirs)
+
+
+def test_expect_verdict_raises_naming_the_claim():
+    from lowrank_lit.stats import expect_verdict
+
+    v = expect_verdict("holds", [0.9, 0.91, 0.92], [0.8, 0.8, 0.8], claim="A >= B")
+    assert v.outcome == "holds"
+    with pytest.raises(AssertionError, match=r"A >= B: expected tie, got holds: mean difference \+0\.1100"):
+        expect_verdict("tie", [0.9, 0.91, 0.92], [0.8, 0.8, 0.8], claim="A >= B")
+    with pytest.raises(ValueError, match="expected='hold'; allowed: holds, does not hold, tie"):
+        expect_verdict("hold", [1.0, 2.0])
+
+
+def _must_show_tests() -> list[tuple[str, ast.FunctionDef]]:
+    found = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        found += [(f"{path.relative_to(TESTS.parent)}::{node.name}", node) for node in tree.body
+                  if isinstance(node, ast.FunctionDef) and node.name.startswith("test_must_show_")]
+    return found
+
+
+def _calls(node: ast.AST) -> set[str]:
+    return {c.func.id if isinstance(c.func, ast.Name) else c.func.attr for c in ast.walk(node)
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name | ast.Attribute)}
+
+
+def _no_verdict_reason(fn: ast.FunctionDef) -> str | None:
+    for dec in fn.decorator_list:
+        if isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.func.attr == "no_verdict":
+            args = [a.value for a in dec.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            return args[0] if args else ""
+    return None
+
+
+def test_every_must_show_test_judges_its_claim_by_the_rule_or_says_why_not():
+    """A test_must_show_* calls verdict (or expect_verdict) in its body, or carries
+    ``@pytest.mark.no_verdict("<one line: why this claim is not a comparison over seeds>")``."""
+    tests = _must_show_tests()
+    assert len(tests) >= 30, [name for name, _ in tests]
+    problems = []
+    for name, fn in tests:
+        reason = _no_verdict_reason(fn)
+        judged = bool(_calls(fn) & {"verdict", "expect_verdict"})
+        if reason is None and not judged:
+            problems.append(f"{name}: calls neither verdict nor expect_verdict and has no no_verdict reason")
+        elif reason is not None and (judged or not reason.strip() or "\n" in reason):
+            problems.append(f"{name}: a no_verdict reason must be one non-empty line, on a test that calls no verdict")
+    assert not problems, "\n".join(problems)

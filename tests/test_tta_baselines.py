@@ -375,8 +375,9 @@ def _stream_errors(tmp_path, methods: dict[str, list[str]], streams: list[str], 
 def test_must_show_batch_statistics_fail_under_label_correlation_and_source_ignores_the_order(tmp_path):
     """Seeds 0-2 on digits-C with the BatchNorm source CNN: Tent and AdaBN are worse on the label-correlated stream
     than on CSC, LAME and RoTTA lose less there than either; the source model's error is the same on every stream
-    order (CSC, CDC, mixed, correlated) up to sampling noise."""
-    import statistics as st
+    order (CSC, CDC, mixed, correlated) up to sampling noise (within 2 points). Each judged by the verdict rule,
+    paired by seed."""
+    from lowrank_lit.stats import expect_verdict
 
     methods = {"source": ["--model.init_args.method=lowrank_lit.tta.SourceOnly", "--model.init_args.method.init_args.batch_stats=false"],
                "bn": ["--model.init_args.method=lowrank_lit.tta.SourceOnly", "--model.init_args.method.init_args.batch_stats=true"],
@@ -384,13 +385,18 @@ def test_must_show_batch_statistics_fail_under_label_correlation_and_source_igno
                "rotta": ["--model.init_args.method=lowrank_lit.tta.RoTTA"]}
     err = _stream_errors(tmp_path, methods, ["csc", "correlated"], [0, 1, 2])
     err.update(_stream_errors(tmp_path, {"source": methods["source"]}, ["cdc", "mixed"], [0, 1, 2]))
-    mean = {k: st.fmean(v) for k, v in err.items()}
-    drop = {m: mean[(m, "correlated")] - mean[(m, "csc")] for m in methods}
-    assert drop["tent"] > 0.05 and drop["bn"] > 0.05, (drop, mean)
+    print(err)
+    # per seed: the error on the label-correlated stream minus the error on CSC
+    drop = {m: [a - b for a, b in zip(err[(m, "correlated")], err[(m, "csc")], strict=True)] for m in methods}
+    for m in ("tent", "bn"):
+        expect_verdict("holds", drop[m], margin=0.05, claim=f"{m}: error up by more than 5 points under correlation")
+    worst = [min(t, b) for t, b in zip(drop["tent"], drop["bn"], strict=True)]
     for robust in ("lame", "rotta"):
-        assert drop[robust] < min(drop["tent"], drop["bn"]), (robust, drop, mean)
-    for stream in ("cdc", "mixed", "correlated"):
-        assert abs(mean[("source", stream)] - mean[("source", "csc")]) < 0.02, (stream, mean)
+        expect_verdict("holds", worst, drop[robust], claim=f"{robust} loses less than Tent and BN statistics")
+    for stream in ("cdc", "mixed", "correlated"):  # within 2 points: two one-sided claims
+        src, csc = err[("source", stream)], err[("source", "csc")]
+        expect_verdict("holds", src, csc, margin=-0.02, claim=f"source error on {stream} > CSC - 0.02")
+        expect_verdict("holds", csc, src, margin=-0.02, claim=f"source error on {stream} < CSC + 0.02")
 
 
 def test_the_table_grid_runs_a_limited_smoke(bn_source, tmp_path, monkeypatch, capsys):

@@ -446,28 +446,34 @@ def synthetic_runs():
     return res
 
 
-def _mean(runs: list[dict[str, float]], key: str) -> float:
-    return sum(r[key] for r in runs) / len(runs)
+def _per_seed(runs: list[dict[str, float]], key: str) -> list[float]:
+    return [r[key] for r in runs]  # random states 0-4 in order: pairs for the verdict rule
 
 
 @pytest.mark.slow
 def test_must_show_ranking_trained_retrievers_order_the_pool(synthetic_runs):
-    """Random states 0-4: mean Spearman of SeDPO and of hybrid exceeds InfoNCE's by >= 0.3."""
-    sp = {k: _mean(v, "test/spearman") for k, v in synthetic_runs.items()}
-    assert sp["sedpo"] - sp["infonce"] >= 0.3, sp
-    assert sp["hybrid"] - sp["infonce"] >= 0.3, sp
+    """Random states 0-4, Spearman gain over InfoNCE >= 0.3 by the verdict rule: SeDPO holds (+0.556, 95 % interval
+    [+0.541, +0.571]); hybrid is a tie (+0.313, [+0.279, +0.347]: three of five states below the bar)."""
+    from lowrank_lit.stats import expect_verdict
+
+    sp = {k: _per_seed(v, "test/spearman") for k, v in synthetic_runs.items()}
+    expect_verdict("holds", sp["sedpo"], sp["infonce"], margin=0.3, claim="SeDPO Spearman >= InfoNCE + 0.3")
+    expect_verdict("tie", sp["hybrid"], sp["infonce"], margin=0.3, claim="hybrid Spearman >= InfoNCE + 0.3")
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the paper's headline is ICL accuracy with the retrieved examples; random states 0-4: one-shot accuracy of "
-    "the retrieved top-1 SeDPO 0.281 +- 0.078 (0.192 / 0.242 / 0.396 / 0.314 / 0.262) against InfoNCE 0.664 +- "
-    "0.051 (0.644 / 0.630 / 0.752 / 0.660 / 0.634); SeDPO's top-1 is never the best exemplar and 22 % of the "
-    "pool scores higher (docs/methods/icl_rank_retriever.md, Not reproduced here)"))
+    "does not hold; the paper's headline is ICL accuracy with the retrieved examples; random states 0-4: one-shot "
+    "accuracy of the retrieved top-1 SeDPO 0.281 +- 0.078 (0.192 / 0.242 / 0.396 / 0.314 / 0.262) against InfoNCE "
+    "0.664 +- 0.051 (0.644 / 0.630 / 0.752 / 0.660 / 0.634), difference -0.383, 95 % interval [-0.435, -0.331]; "
+    "SeDPO's top-1 is never the best exemplar and 22 % of the pool scores higher (docs/methods/icl_rank_retriever.md, "
+    "Not reproduced here)"))
 def test_must_show_sedpo_retrieves_better_one_shot_examples_than_infonce(synthetic_runs):
     """The downstream claim: the SeDPO retriever's top-1 exemplar gives a higher one-shot accuracy than InfoNCE's."""
-    acc = {k: _mean(v, "test/top1_acc") for k, v in synthetic_runs.items()}
-    assert acc["sedpo"] >= acc["infonce"], acc
+    from lowrank_lit.stats import expect_verdict
+
+    acc = {k: _per_seed(v, "test/top1_acc") for k, v in synthetic_runs.items()}
+    expect_verdict("holds", acc["sedpo"], acc["infonce"], claim="SeDPO top-1 one-shot accuracy >= InfoNCE's")
 
 
 def test_scorer_rejects_a_zero_context_length():

@@ -286,7 +286,13 @@ def _lm_run(optimizer, seed, steps=1500):
 @pytest.mark.slow
 def test_must_show_char_lm():
     """Dominant (GaLore) projectors overlap more than importance-sampled ones; W_T - W_0 has a higher
-    effective rank with importance sampling; val loss AdamW <= importance <= dominant (or within noise)."""
+    effective rank with importance sampling; val loss AdamW <= importance <= dominant (or within noise). Judged by
+    the verdict rule over restarts 0-2 (paired by restart): the overlap ratio and AdamW <= importance hold (0.517
+    against 1.5 x 0.252; 1.579 against 1.801, each +- 0.03 or less); importance <= dominant must not be "does not
+    hold" (1.801 +- 0.024 against 1.810 +- 0.021: a tie or holds). The erank ordering is asserted run by run.
+    """
+    from lowrank_lit.stats import verdict
+
     def lowrank(sel):
         return lambda p: LowRankAdam(p, lr=3e-3, rank=8, update_proj_gap=50, scale=0.25, selector=sel)
 
@@ -294,18 +300,17 @@ def test_must_show_char_lm():
            (("adamw", lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.0)),
             ("dominant", lowrank("dominant")), ("importance", lowrank("importance")))}
 
-    def late_overlap(name):  # mean over the second half of training, over restarts
-        vals = [sum(o[len(o) // 2:]) / len(o[len(o) // 2:]) for _, o, _ in res[name]]
-        return sum(vals) / len(vals)
-
     loss = {k: [r[0] for r in v] for k, v in res.items()}
-    mean = {k: sum(v) / len(v) for k, v in loss.items()}
-    std = {k: (sum((x - mean[k]) ** 2 for x in v) / (len(v) - 1)) ** 0.5 for k, v in loss.items()}
-    report = {"loss": loss, "overlap": {k: late_overlap(k) for k in ("dominant", "importance")}}
-    assert late_overlap("dominant") >= 1.5 * late_overlap("importance"), report
+    # the mean overlap over the second half of training, per restart
+    overlap = {k: [sum(o[len(o) // 2:]) / len(o[len(o) // 2:]) for _, o, _ in res[k]] for k in ("dominant", "importance")}
+    report = {"loss": loss, "overlap": overlap}
+    v_overlap = verdict(overlap["dominant"], [1.5 * x for x in overlap["importance"]])
+    assert v_overlap.outcome == "holds", (str(v_overlap), report)
     assert min(r[2] for r in res["importance"]) > max(r[2] for r in res["dominant"]), report
-    assert mean["adamw"] <= mean["importance"], report
-    assert mean["importance"] <= mean["dominant"] + 2 * max(std["importance"], std["dominant"]), report
+    v_adamw = verdict(loss["importance"], loss["adamw"])  # lower loss is better: importance - adamw > 0
+    assert v_adamw.outcome == "holds", (str(v_adamw), report)
+    v_dominant = verdict(loss["dominant"], loss["importance"])
+    assert v_dominant.outcome != "does not hold", (str(v_dominant), report)
 
 
 def test_lm_init_from_checkpoint(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import statistics
 
 import pytest
 import torch
@@ -217,30 +216,44 @@ def bench(tmp_path_factory):
     return peft_bench_runs(LOPE_CELLS, tmp_path_factory.mktemp("peft_bench"))
 
 
-def _acc(bench: dict[str, list[dict[str, float]]], name: str) -> float:
-    return statistics.fmean(r["test/acc"] for r in bench[name])
+def _acc(bench: dict[str, list[dict[str, float]]], name: str) -> list[float]:
+    return [r["test/acc"] for r in bench[name]]  # seeds 0, 1, 2 in order: pairs for the verdict rule
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PEFT benchmark noisy variant, seeds 0-2 (docs/peft_bench.md): LoPE (mask, K = all) 66.5 (70.1 / 59.8 / 69.6), "
-    "HydraLoRA 91.2 (91.0 / 92.7 / 90.0), LoRA 85.1 (80.9 / 87.9 / 86.4): HydraLoRA >= LoRA holds, LoPE is the lowest"))
-def test_must_show_lope_beats_hydralora_beats_lora(bench):
-    """The paper's claim on clean test data after noisy training (3 seeds): LoPE >= HydraLoRA >= LoRA."""
-    means = {k: _acc(bench, k) for k in bench}
-    assert means["lope_noisy"] >= means["hydralora_noisy"] >= means["lora_noisy"], means
+    "does not hold; PEFT benchmark noisy variant, seeds 0-2 (docs/peft_bench.md): LoPE (mask, K = all) 66.5 "
+    "(70.1 / 59.8 / 69.6) against HydraLoRA 91.2 (91.0 / 92.7 / 90.0): difference -24.7 points, 95 % interval "
+    "[-42.3, -7.2]"))
+def test_must_show_lope_beats_hydralora(bench):
+    """The paper's claim on clean test data after noisy training (3 seeds): LoPE >= HydraLoRA."""
+    from lowrank_lit.stats import expect_verdict
+
+    expect_verdict("holds", _acc(bench, "lope_noisy"), _acc(bench, "hydralora_noisy"), claim="LoPE >= HydraLoRA")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "PEFT benchmark noisy variant, seeds 0-2 (docs/peft_bench.md): LoPE with the mask 66.5 (70.1 / 59.8 / 69.6), "
-    "without it 75.6 (77.6 / 75.4 / 73.7): masking B_D removes the expert that carries 40 % of the routing weight on "
-    "every input"))
+def test_must_show_hydralora_beats_lora(bench):
+    """The paper's baseline ordering HydraLoRA >= LoRA after noisy training, judged by the verdict rule over seeds
+    0-2: a tie (91.2 against 85.1, per seed 91.0 / 92.7 / 90.0 against 80.9 / 87.9 / 86.4; difference +6.2 points,
+    95 % interval [-2.4, +14.8])."""
+    from lowrank_lit.stats import expect_verdict
+
+    expect_verdict("tie", _acc(bench, "hydralora_noisy"), _acc(bench, "lora_noisy"), claim="HydraLoRA >= LoRA")
+
+
+@pytest.mark.slow
 def test_must_show_lope_mask_beats_no_mask(bench):
-    """Masking the poisoning expert at inference helps: LoPE (mask) > LoPE (no mask)."""
-    assert _acc(bench, "lope_noisy") > _acc(bench, "lope_nomask_noisy")
+    """Masking the poisoning expert at inference helps: LoPE (mask) > LoPE (no mask). Judged by the verdict rule over
+    seeds 0-2 it is a tie: 66.5 (70.1 / 59.8 / 69.6) with the mask against 75.6 (77.6 / 75.4 / 73.7) without it,
+    difference -9.1 points, 95 % interval [-23.7, +5.6] (lower on every seed; masking B_D removes the expert that
+    carries 40 % of the routing weight on every input)."""
+    from lowrank_lit.stats import expect_verdict
+
+    expect_verdict("tie", _acc(bench, "lope_noisy"), _acc(bench, "lope_nomask_noisy"), claim="LoPE mask > no mask")
 
 
+@pytest.mark.no_verdict("a mechanism asserted on every run (B_D's share on corrupted > on clean inputs), not a mean over seeds")
 @pytest.mark.slow
 def test_must_show_lope_routes_noisy_inputs_to_the_poisoning_expert(bench):
     """The paper's mechanism: B_D takes a larger routing share on inputs corrupted at the training rate (8 %) than

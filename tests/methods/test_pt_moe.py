@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -352,27 +350,33 @@ def bench(tmp_path_factory):
     return peft_bench_runs(PTMOE_CELLS, tmp_path_factory.mktemp("peft_bench"))
 
 
-def _mean(runs: list[dict[str, float]], key: str = "test/acc") -> float:
-    return statistics.fmean(r[key] for r in runs)
+def _per_seed(runs: list[dict[str, float]], key: str = "test/acc") -> list[float]:
+    return [r[key] for r in runs]  # seeds 0, 1, 2 in order: pairs for the verdict rule
 
 
 @pytest.mark.slow
 def test_must_show_ptmoe_beats_pt_and_smop_with_fewer_parameters_than_smop(bench):
-    """The paper's claim on the PEFT benchmark (3 seeds): PT-MoE mean accuracy >= PT's and >= SMoP's, with fewer
-    trainable prompt parameters than SMoP. Measured (seeds 0-2): PT-MoE N = 2 72.7 (70.3 / 76.8 / 71.1), PT 72.1
-    (75.2 / 70.6 / 70.7), SMoP 71.9 (75.2 / 71.0 / 69.5); 6,178 parameters against 6,914. It holds in the mean, by
-    less than one seed's spread (docs/peft_bench.md)."""
+    """The paper's claim on the PEFT benchmark (3 seeds): PT-MoE accuracy >= PT's and >= SMoP's, with fewer
+    trainable prompt parameters than SMoP (6,178 against 6,914: holds). The accuracies, judged by the verdict rule
+    over seeds 0-2, are ties: PT-MoE N = 2 72.7 (70.3 / 76.8 / 71.1), PT 72.1 (75.2 / 70.6 / 70.7), SMoP 71.9
+    (75.2 / 71.0 / 69.5); against PT +0.6 points, 95 % interval [-13.2, +14.4]; against SMoP +0.8, [-12.6, +14.2]
+    (docs/peft_bench.md)."""
+    from lowrank_lit.stats import expect_verdict
+
     assert bench["ptmoe"][0]["params/prompt"] < bench["smop"][0]["params/prompt"]
-    assert _mean(bench["ptmoe"]) >= _mean(bench["pt"]), {k: _mean(v) for k, v in bench.items()}
-    assert _mean(bench["ptmoe"]) >= _mean(bench["smop"]), {k: _mean(v) for k, v in bench.items()}
+    ptmoe = _per_seed(bench["ptmoe"])
+    expect_verdict("tie", ptmoe, _per_seed(bench["pt"]), claim="PT-MoE >= PT")
+    expect_verdict("tie", ptmoe, _per_seed(bench["smop"]), claim="PT-MoE >= SMoP")
 
 
 @pytest.mark.slow
 def test_must_show_ptmoe_routes_by_task_family(bench):
-    """Routing that a collapsed router cannot fake: mean NMI(family, expert) >= 0.1 (collapse: 0) and no run on one
-    expert. (The old per-domain purity > 0.8 is 1.0 under collapse too.)"""
-    nmi = [r["test/routing_nmi"] for r in bench["ptmoe"]]
-    assert statistics.fmean(nmi) >= 0.1, nmi
+    """Routing that a collapsed router cannot fake: NMI(family, expert) above 0.1 (collapse: 0) by the verdict rule
+    over seeds 0-2 (0.35 +- 0.09: the interval lies above 0.12) and no run on one expert. (The old per-domain purity
+    > 0.8 is 1.0 under collapse too.)"""
+    from lowrank_lit.stats import expect_verdict
+
+    expect_verdict("holds", _per_seed(bench["ptmoe"], "test/routing_nmi"), margin=0.1, claim="NMI(family, expert) > 0.1")
     assert not any(r["test/routing_collapsed"] for r in bench["ptmoe"]), [r["test/routing_experts_used"] for r in bench["ptmoe"]]
 
 

@@ -288,25 +288,27 @@ def _truncation_results(config, seed, run_root):
 
 @pytest.mark.slow
 def test_must_show_mlp_digits(tmp_path):
-    """Our acceptance criterion, over seeds 0-3 of configs/q3r/mlp_digits.yaml and its AdamW twin:
-    (a) Q3R's mean accuracy at keep fraction 0.2 is within 1 point of its untruncated mean;
-    (b) at keep 0.2 Q3R is above AdamW on every seed and by >= 2.5 points on the mean;
-    (c) at keep 0.1 Q3R is above AdamW by >= 4 points on the mean."""
+    """Our acceptance criterion, over seeds 0-3 of configs/q3r/mlp_digits.yaml and its AdamW twin, each part judged by
+    the verdict rule (paired by seed; docs/methods/q3r.md has the per-seed table):
+    (a) Q3R's accuracy at keep fraction 0.2 within 1 point of its untruncated accuracy: holds
+        (-0.0006, 95 % interval [-0.0024, +0.0013] against the margin -0.01);
+    (b) at keep 0.2 Q3R above AdamW on every seed and in the verdict: holds (+0.0295, [+0.0010, +0.0579]);
+        by >= 2.5 points: a tie ([+0.0010, +0.0579] contains +0.025);
+    (c) at keep 0.1 Q3R above AdamW by >= 4 points: a tie (+0.0533, [-0.0056, +0.1123])."""
+    from lowrank_lit.stats import expect_verdict
     from tests.helpers import CONFIGS
 
     seeds = (0, 1, 2, 3)
     runs = {name: [_truncation_results(CONFIGS / "q3r" / f"{name}.yaml", seed, tmp_path) for seed in seeds]
             for name in ("mlp_digits", "mlp_digits_adamw")}
-    q3r, adamw = runs["mlp_digits"], runs["mlp_digits_adamw"]
-
-    def mean(rs, rho):
-        return sum(r[rho] for r in rs) / len(rs)
-
-    report = {rho: ([r[rho] for r in q3r], [r[rho] for r in adamw]) for rho in (1.0, 0.2, 0.1)}
-    assert mean(q3r, 1.0) - mean(q3r, 0.2) <= 0.01, report
-    assert all(a[0.2] > b[0.2] for a, b in zip(q3r, adamw, strict=True)), report
-    assert mean(q3r, 0.2) - mean(adamw, 0.2) >= 0.025, report
-    assert mean(q3r, 0.1) - mean(adamw, 0.1) >= 0.04, report
+    q3r = {rho: [r[rho] for r in runs["mlp_digits"]] for rho in (1.0, 0.2, 0.1)}
+    adamw = {rho: [r[rho] for r in runs["mlp_digits_adamw"]] for rho in (1.0, 0.2, 0.1)}
+    print(q3r, adamw)
+    expect_verdict("holds", q3r[0.2], q3r[1.0], margin=-0.01, claim="(a) Q3R at keep 0.2 within 1 point of keep 1.0")
+    assert all(a > b for a, b in zip(q3r[0.2], adamw[0.2], strict=True)), (q3r, adamw)
+    expect_verdict("holds", q3r[0.2], adamw[0.2], claim="(b) Q3R above AdamW at keep 0.2")
+    expect_verdict("tie", q3r[0.2], adamw[0.2], margin=0.025, claim="(b) Q3R >= AdamW + 2.5 points at keep 0.2")
+    expect_verdict("tie", q3r[0.1], adamw[0.1], margin=0.04, claim="(c) Q3R >= AdamW + 4 points at keep 0.1")
 
 
 def test_compare_averages_seeds(tmp_path):

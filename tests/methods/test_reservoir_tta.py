@@ -373,7 +373,9 @@ def test_must_show_recurring_corruptions(tmp_path):
     the reservoir holds exactly 7 models on >= 3 of 4 seeds and never more than 9; purity >= 0.95 on
     every seed; Tent + Reservoir's mean error over recurrences 3-6 is >= 8 points below Tent's on the
     mean over the seeds and not above Tent's on any seed; EATA + Reservoir <= EATA + 1 point and no
-    re-entry spike (seed 0)."""
+    re-entry spike (seed 0). The gap judged by the verdict rule (13.6 / 8.6 / 11.5 / 1.6 points): below Tent holds
+    (+8.8 points, 95 % interval [+0.5, +17.2]); by 8 points or more is a tie (the interval contains +8)."""
+    from lowrank_lit.stats import expect_verdict
     from tests.helpers import CONFIGS, run_cli
 
     gaps, models, report = [], [], {}
@@ -397,7 +399,8 @@ def test_must_show_recurring_corruptions(tmp_path):
             assert _spike(eata_res.rows) <= 0.02, (report, _spike(eata_res.rows), _spike(eata.rows))
             assert not math.isnan(_spike(eata.rows))
     assert sum(m == 7 for m in models) >= 3 and max(models) <= 9, (models, report)
-    assert sum(gaps) / len(gaps) >= 0.08, (gaps, report)
+    expect_verdict("holds", gaps, claim="Tent + Reservoir below Tent over recurrences 3-6")
+    expect_verdict("tie", gaps, margin=0.08, claim="Tent + Reservoir >= 8 points below Tent over recurrences 3-6")
 
 
 def test_cifar10c_stream_from_files(tmp_path):

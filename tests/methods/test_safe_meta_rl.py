@@ -288,6 +288,7 @@ def test_neural_config_runs(name, tmp_path):
 # -- must show (card section 4) -----------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.no_verdict("properties of every safe step of every run (J_r rises, J_c <= d) and a violation under nu = 0, no mean")
 def test_must_show_gridnav(tmp_path):
     """Our acceptance criterion on SafeGridNav (configs' budget), seeds 0-2: on each of the 3 held-out goals,
     J_r rises at every one of the 5 safe steps and J_c <= d after every step; the nu = 0 step violates on at least
@@ -343,10 +344,17 @@ def _violations(runs: list[dict[str, float]]) -> float:
 
 @pytest.mark.slow
 def test_must_show_pointnav_fewer_violations(pointnav_runs):
-    """What holds on PointNav2D over seeds 0-4: the safe step violates no more often than the fixed multiplier, and
-    both far less than nu = 0."""
+    """PointNav2D over seeds 0-4: in total the safe step violates no more often than the fixed multiplier (1 against
+    2), and both far less than nu = 0 (19). Judged by the verdict rule, paired by seed (violations 0, 1, 0, 0, 0 /
+    2, 0, 0, 0, 0 / 7, 3, 9, 0, 0), each comparison is a tie: safe against the fixed multiplier +0.2 fewer, 95 %
+    interval [-1.2, +1.6]; safe against nu = 0 +3.6, [-1.6, +8.8] (two seeds with no violation under nu = 0)."""
+    from lowrank_lit.stats import expect_verdict
+
     v = {a: _violations(r) for a, r in pointnav_runs.items()}
     assert v["safe"] <= v["pg_lagrange"] < v["unconstrained"], v
+    fewer = {a: [-m["test/violations"] for m in r] for a, r in pointnav_runs.items()}  # higher is better
+    expect_verdict("tie", fewer["safe"], fewer["pg_lagrange"], claim="safe violates less than the fixed multiplier")
+    expect_verdict("tie", fewer["safe"], fewer["unconstrained"], claim="safe violates less than nu = 0")
 
 
 @pytest.mark.slow

@@ -260,6 +260,7 @@ def test_ddp_run_logs_without_the_sync_dist_warning(tmp_path):
 # -- must show (card section 4a) ---------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.no_verdict("a deterministic cost-model simulation of one fixed draw of batches (random.Random(0)): no seeds to judge over")
 def test_must_show_simulation():
     """Our acceptance criterion, mean over 5 global batches of 256 per mix (DP 4, CP 8, C = 26K): GDS + DACP <
     DACP < uniform CP in iteration time on the long-tail and the bimodal mix, a larger speed-up on the long-tail

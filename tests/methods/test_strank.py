@@ -399,19 +399,28 @@ def _card_run(loss, setting, seed):
 
 @pytest.mark.slow
 def test_must_show_batch_effect_toy():
-    """Imbalanced: STRank beats MSE by >= 0.4 on average, every STRank run >= 0.7; balanced: within 0.1."""
+    """Over random states 0-9, judged by the verdict rule (paired by state): imbalanced, STRank beats MSE by more
+    than 0.4 Spearman (holds), every STRank run >= 0.7; balanced, STRank within 0.1 of MSE (both one-sided claims
+    STRank > MSE - 0.1 and MSE > STRank - 0.1 hold)."""
+    from lowrank_lit.stats import expect_verdict
+
     losses = {
         "list": lambda: STRankLoss("list", normalize_library=False),
         "pair": lambda: STRankLoss("pair", normalize_library=False),
         "mse": MSELog1pLoss,
     }
-    res = {(k, s): [_card_run(make(), s, seed) for seed in (0, 1, 2)]
+    seeds = range(10)
+    res = {(k, s): [_card_run(make(), s, seed) for seed in seeds]
            for k, make in losses.items() for s in ("imbalanced", "balanced")}
-    mean = {k: sum(v) / 3 for k, v in res.items()}
+    print(res)
     for mode in ("list", "pair"):
-        assert mean[mode, "imbalanced"] - mean["mse", "imbalanced"] >= 0.4, res
+        expect_verdict("holds", res[mode, "imbalanced"], res["mse", "imbalanced"], margin=0.4,
+                       claim=f"imbalanced: STRank-{mode} >= MSE + 0.4")
         assert min(res[mode, "imbalanced"]) >= 0.7, res
-        assert abs(mean[mode, "balanced"] - mean["mse", "balanced"]) <= 0.1, res
+        expect_verdict("holds", res[mode, "balanced"], res["mse", "balanced"], margin=-0.1,
+                       claim=f"balanced: STRank-{mode} > MSE - 0.1")
+        expect_verdict("holds", res["mse", "balanced"], res[mode, "balanced"], margin=-0.1,
+                       claim=f"balanced: MSE > STRank-{mode} - 0.1")
 
 
 def _write_slides(tmp_path, n_slides=3, spots=40, dim=6, genes=8):

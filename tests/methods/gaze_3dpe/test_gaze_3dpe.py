@@ -216,22 +216,11 @@ def cross_domain_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_must_show_cross_domain(cross_domain_runs):
-    """Our acceptance criterion on the mean over seeds 0-2: mean angular error over the two target domains,
-    full < 3DGP-only < CNN."""
-    mean = {k: sum(v) / len(v) for k, v in cross_domain_runs.items()}
-    assert mean["full"] < mean["3dgp"] < mean["cnn"], mean
+    """The claim full < 3DGP-only < CNN (mean angular error over the two target domains), each step judged by the
+    verdict rule over seeds 0-2: 3DGP-only below CNN holds (+1.31 degrees, 95 % interval [+0.08, +2.54]); full below
+    3DGP-only is a tie (+0.95, [-0.41, +2.31]: lower on every seed, by 0.32 to 1.32)."""
+    from lowrank_lit.stats import expect_verdict
 
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "seeds 0-2 (lowrank sweep sweeps/gaze_3dpe_attempt.yaml; CNN from sweeps/gaze_3dpe.yaml): full 17.55 +- 1.28, "
-    "3DGP-only 18.51 +- 0.74, CNN 19.81 +- 1.24; full is 0.96 below 3DGP-only, within one std "
-    "(docs/methods/gaze_3dpe.md, Not reproduced here)"))
-def test_must_show_cross_domain_beyond_one_std(cross_domain_runs):
-    """Each step of full < 3DGP-only < CNN larger than the larger std of the two variants."""
-    import statistics
-
-    m = {k: statistics.fmean(v) for k, v in cross_domain_runs.items()}
-    sd = {k: statistics.stdev(v) for k, v in cross_domain_runs.items()}
-    assert m["3dgp"] - m["full"] > max(sd["3dgp"], sd["full"]), (m, sd)
-    assert m["cnn"] - m["3dgp"] > max(sd["cnn"], sd["3dgp"]), (m, sd)
+    err = cross_domain_runs  # lower is better: the difference is theirs - ours
+    expect_verdict("holds", err["cnn"], err["3dgp"], claim="3DGP-only below CNN (target error)")
+    expect_verdict("tie", err["3dgp"], err["full"], claim="full below 3DGP-only (target error)")

@@ -117,15 +117,14 @@ def stream_runs(tmp_path_factory):
     return res
 
 
-def _zero_shot(runs) -> float:
-    return sum(float(rows[-1]["MemoryAnti"]) for rows, _ in runs) / len(runs)
-
-
 @pytest.mark.slow
 def test_must_show_task_stream(stream_runs):
     """Our acceptance criterion over seeds 0-4, the parts that hold: vocabulary 3 -> 4 -> 5; what+how keeps every
-    trained task within 0.05 of its post-training accuracy; vanilla drops DelayPro by >= 0.5; MemoryAnti zero-shot
-    of what+how >= vanilla + 0.25 and vanilla <= 0.2."""
+    trained task within 0.05 of its post-training accuracy; vanilla drops DelayPro by >= 0.5 (every run); MemoryAnti
+    zero-shot of vanilla below 0.2 (holds by the verdict rule: 0.02 / 0.00 / 0.02 / 0.04 / 0.00) and of what+how
+    >= vanilla + 0.25: a tie by the rule (+0.46, 95 % interval [+0.20, +0.72] contains +0.25)."""
+    from lowrank_lit.stats import expect_verdict
+
     trained = ["DelayPro", "DelayAnti", "MemoryPro"]
     for name in ("what_how", "hold"):
         for rows, _ in stream_runs[name]:
@@ -134,16 +133,21 @@ def test_must_show_task_stream(stream_runs):
                 assert float(rows[-1][t]) >= float(rows[k][t]) - 0.05, (name, t)
     for rows, _ in stream_runs["vanilla"]:
         assert float(rows[0]["DelayPro"]) - float(rows[-1]["DelayPro"]) >= 0.5
-    zs = {n: _zero_shot(r) for n, r in stream_runs.items()}
+    zs = {n: [float(rows[-1]["MemoryAnti"]) for rows, _ in r] for n, r in stream_runs.items()}
     print(zs)
-    assert zs["what_how"] >= zs["vanilla"] + 0.25 and zs["vanilla"] <= 0.2
+    expect_verdict("holds", [0.2 - z for z in zs["vanilla"]], claim="vanilla MemoryAnti zero-shot < 0.2")
+    expect_verdict("tie", zs["what_how"], zs["vanilla"], margin=0.25, claim="what+how MemoryAnti >= vanilla + 0.25")
 
 
 @pytest.mark.slow
 def test_must_show_memory_anti_with_the_hold_loss(stream_runs):
     """Our remedy (not the paper's): with the state-holding loss on MemoryPro's delay, MemoryAnti zero-shot >= 0.6
-    and the memory epoch's state stays within 0.2 (relative) of the stimulus state."""
-    assert _zero_shot(stream_runs["hold"]) >= 0.6
+    and the memory epoch's state stays within 0.2 (relative) of the stimulus state (every run). The zero-shot bar
+    judged by the verdict rule holds (0.93 on every seed)."""
+    from lowrank_lit.stats import expect_verdict
+
+    expect_verdict("holds", [float(rows[-1]["MemoryAnti"]) for rows, _ in stream_runs["hold"]], margin=0.6,
+                   claim="MemoryAnti zero-shot with the hold loss >= 0.6")
     key = "state/after_2_MemoryPro/MemoryAnti/hold_distance"
     assert max(m[key] for _, m in stream_runs["hold"]) <= 0.2
     assert min(m[key] for _, m in stream_runs["what_how"]) > 0.5  # the diagnosed cause, without the loss
