@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -99,19 +100,34 @@ def test_sar_skips_a_batch_without_reliable_samples():
 
 # -- RoTTA ----------------------------------------------------------------------------------------------
 
-def test_robust_batchnorm_normalises_with_the_moving_global_statistics():
+def _source_bn() -> nn.BatchNorm2d:
     bn = nn.BatchNorm2d(3)
     with torch.no_grad():
         bn.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
         bn.running_var.copy_(torch.tensor([1.0, 4.0, 0.25]))
         bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
         bn.bias.copy_(torch.tensor([0.0, 1.0, -1.0]))
+    return bn
+
+
+def test_robust_batchnorm_moves_its_statistics_in_train_mode_only():
+    bn = _source_bn()
     rbn = RobustBatchNorm(bn, alpha=0.05)
     x = torch.randn(4, 3, 2, 2) * 2 + 1
+    affine = (bn.weight.view(1, 3, 1, 1), bn.bias.view(1, 3, 1, 1))
+    # eval mode (a test batch): the stored statistics normalise and nothing moves, bit for bit
+    rbn.eval()
+    mean0, var0 = rbn.mean.clone(), rbn.var.clone()
+    out = rbn(x)
+    want = (x - mean0.view(1, 3, 1, 1)) / torch.sqrt(var0.view(1, 3, 1, 1) + bn.eps) * affine[0] + affine[1]
+    torch.testing.assert_close(out, want)
+    assert torch.equal(rbn.mean, mean0) and torch.equal(rbn.var, var0)
+    # train mode (the update on the memory bank): the EMA of the batch statistics normalises and is stored
+    rbn.train()
     out = rbn(x)
     mean = 0.95 * bn.running_mean + 0.05 * x.mean(dim=(0, 2, 3))
     var = 0.95 * bn.running_var + 0.05 * x.var(dim=(0, 2, 3), unbiased=False)
-    want = (x - mean.view(1, 3, 1, 1)) / torch.sqrt(var.view(1, 3, 1, 1) + bn.eps) * bn.weight.view(1, 3, 1, 1) + bn.bias.view(1, 3, 1, 1)
+    want = (x - mean.view(1, 3, 1, 1)) / torch.sqrt(var.view(1, 3, 1, 1) + bn.eps) * affine[0] + affine[1]
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(rbn.mean, mean)
     torch.testing.assert_close(rbn.var, var)
@@ -119,28 +135,128 @@ def test_robust_batchnorm_normalises_with_the_moving_global_statistics():
     torch.testing.assert_close(rbn.mean, 0.95 * mean + 0.05 * x.mean(dim=(0, 2, 3)))
 
 
-def test_rotta_memory_bank_is_category_balanced_and_displaces_by_age_and_uncertainty():
+def _timeliness(ages: list[float], n: int) -> torch.Tensor:
+    a = torch.tensor(ages) / n
+    return torch.exp(-a) / (1 + torch.exp(-a))
+
+
+def test_rotta_memory_bank_ages_as_published_over_eleven_offers_with_evictions():
+    """CSTU by hand (N = 4, 3 classes, share 4/3; score = 1 / (1 + exp(-age / 4)) + H / ln 3): the newcomer is scored
+    at age 0 and, after each offer, every stored instance ages by one, the newcomer too."""
     r = RoTTA(memory_size=4)
-    r.num_classes = 3  # share: 4 / 3 per class
+    r.num_classes = 3
     x = torch.zeros(1)
 
-    def bank():
-        return {c: sorted(i["uncertainty"] for i in r.bank if i["label"] == c) for c in range(3)}
+    def bank():  # (label, uncertainty, age) in the published memory order: class, then insertion
+        return [(r.bank[i]["label"], r.bank[i]["uncertainty"], r.bank[i]["age"]) for i in r._in_class_order()]
 
     for label, u in ((0, 0.1), (0, 0.6), (1, 0.2), (1, 0.4)):
         assert r.insert(x, label, u)  # below the share and the bank not full: stored
-    assert [i["age"] for i in r.bank] == [3, 2, 1, 0]  # every offer ages the bank
-    # class 2 below its share, bank full: the highest score of the majority classes (0 and 1 hold two each) goes,
-    # score = 1 / (1 + exp(-age / 4)) + H / ln 3: the old uncertain 0.6 (age 4: 0.679 + 0.546)
-    assert r.insert(x, 2, 0.3) and bank() == {0: [0.1], 1: [0.2, 0.4], 2: [0.3]}
-    assert r.insert(x, 0, 0.05) and bank() == {0: [0.05, 0.1], 1: [0.2], 2: [0.3]}  # majority now class 1
-    # a newcomer that scores above every majority instance is not stored (0.5 + 0.99 / ln 3 = 1.40)
-    assert not r.insert(x, 1, 0.99) and bank() == {0: [0.05, 0.1], 1: [0.2], 2: [0.3]}
-    # class 2 below its share: class 0's highest-scoring instance (the older 0.1) makes room
-    assert r.insert(x, 2, 0.0) and bank() == {0: [0.05], 1: [0.2], 2: [0.0, 0.3]}
-    # class 2 at its share: its own highest-scoring instance (0.3) goes for a more certain newcomer
-    assert r.insert(x, 2, 0.1) and bank() == {0: [0.05], 1: [0.2], 2: [0.0, 0.1]}
-    assert len(r.bank) == 4
+    assert bank() == [(0, 0.1, 4), (0, 0.6, 3), (1, 0.2, 2), (1, 0.4, 1)]  # the newest is already 1
+    # class 2 below its share, bank full: the highest score of the majority classes 0 and 1 goes if it beats the
+    # newcomer's 0.5 + 0.3 / ln 3 = 0.773: the uncertain 0.6 at age 3 (0.679 + 0.546 = 1.225)
+    assert r.insert(x, 2, 0.3)
+    assert bank() == [(0, 0.1, 5), (1, 0.2, 3), (1, 0.4, 2), (2, 0.3, 1)]
+    # majority class 1: 0.4 at age 2 (0.623 + 0.364 = 0.987) beats 0.2 at age 3 (0.861) and the newcomer (0.546)
+    assert r.insert(x, 0, 0.05)
+    assert bank() == [(0, 0.1, 6), (0, 0.05, 1), (1, 0.2, 4), (2, 0.3, 2)]
+    # majority class 0's best, 0.1 at age 6 (0.818 + 0.091 = 0.909), does not beat 0.5 + 0.99 / ln 3 = 1.401
+    assert not r.insert(x, 1, 0.99)
+    assert bank() == [(0, 0.1, 7), (0, 0.05, 2), (1, 0.2, 5), (2, 0.3, 3)]  # refused, and still everyone ages
+    assert r.insert(x, 2, 0.0)  # class 0's 0.1 at age 7 (0.943) goes
+    assert bank() == [(0, 0.05, 3), (1, 0.2, 6), (2, 0.3, 4), (2, 0.0, 1)]
+    assert r.insert(x, 2, 0.1)  # class 2 at its share: its own best, 0.3 at age 4 (1.004), goes for 0.591
+    assert bank() == [(0, 0.05, 4), (1, 0.2, 7), (2, 0.0, 2), (2, 0.1, 1)]
+    assert not r.insert(x, 1, 0.5)  # majority class 2's best 0.653 (0.1 at age 1) < the newcomer's 0.955
+    assert r.insert(x, 0, 0.2)  # majority class 2's best, 0.1 at age 2 (0.623 + 0.091 = 0.714) > 0.682
+    assert bank() == [(0, 0.05, 6), (0, 0.2, 1), (1, 0.2, 9), (2, 0.0, 4)]
+    # the update's images and timeliness weights exp(-a / N) / (1 + exp(-a / N)), in the same order
+    _, ages = r.memory()
+    assert ages.tolist() == [6.0, 1.0, 9.0, 4.0]
+    torch.testing.assert_close(_timeliness(ages.tolist(), 4), torch.tensor([0.18243, 0.43782, 0.09534, 0.26894]),
+                               atol=1e-5, rtol=0)
+
+
+def test_rotta_prediction_in_eval_mode_moves_no_statistic():
+    r = RoTTA(memory_size=64, update_frequency=1000)
+    model = _bn_model()
+    r.setup(model)
+    buffers = [b.clone() for m in (r.teacher, model) for b in r._robust_stats(m)]
+    assert len(buffers) == 8
+    r.forward_and_adapt(torch.rand(6, 1, 8, 8))  # predict and offer to the bank, no update yet
+    r.predict(torch.rand(6, 1, 8, 8) * 3)
+    after = [b for m in (r.teacher, model) for b in r._robust_stats(m)]
+    assert all(torch.equal(a, b) for a, b in zip(buffers, after, strict=True))
+
+
+class _TwoBN(nn.Module):
+    """BN -> 1x1 conv -> BN -> pooled linear head: two robust BN layers whose statistics are easy to follow by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bn1, self.conv, self.bn2, self.head = nn.BatchNorm2d(1), nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2), nn.Linear(2, 3)
+        with torch.no_grad():
+            self.bn1.running_mean.fill_(0.2)
+            self.bn1.running_var.fill_(0.5)
+            self.bn2.running_mean.copy_(torch.tensor([0.1, -0.3]))
+            self.bn2.running_var.copy_(torch.tensor([2.0, 0.7]))
+        self.eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn2(self.conv(self.bn1(x))).mean(dim=(2, 3)))
+
+
+def _robust_stats_after(bank: torch.Tensor, model: Any) -> list[torch.Tensor]:
+    """Hand computation of one train-mode pass of ``bank`` through :class:`_TwoBN`'s robust BN layers."""
+    m1 = 0.95 * model.bn1.mean + 0.05 * bank.mean(dim=(0, 2, 3))
+    v1 = 0.95 * model.bn1.var + 0.05 * bank.var(dim=(0, 2, 3), unbiased=False)
+    h = model.conv((bank - m1.view(1, -1, 1, 1)) / torch.sqrt(v1.view(1, -1, 1, 1) + 1e-5) * model.bn1.weight.view(1, -1, 1, 1)
+                   + model.bn1.bias.view(1, -1, 1, 1))
+    m2 = 0.95 * model.bn2.mean + 0.05 * h.mean(dim=(0, 2, 3))
+    v2 = 0.95 * model.bn2.var + 0.05 * h.var(dim=(0, 2, 3), unbiased=False)
+    return [m1, v1, m2, v2]
+
+
+def test_rotta_update_moves_the_statistics_by_the_bank_only():
+    """Two test batches (8, then 4 samples far off the first); the 12th offer triggers one update. The statistics
+    after it are the source statistics moved once by the bank the update saw: the teacher's by the stored images,
+    the student's by their strong augmentations (by hand through both BN layers); the test batches moved nothing."""
+    from lowrank_lit.tta.baselines import _strong_augment
+
+    r = RoTTA(memory_size=8, update_frequency=12, nu=0.0)
+    model = _TwoBN()
+    r.setup(model)
+    source = [b.clone() for b in r._robust_stats(model)]
+    seen = []
+    memory = r.memory
+
+    def recording_memory():
+        seen.append((r.generator.get_state(), *memory()))
+        return seen[-1][1:]
+
+    r.memory = recording_memory
+    torch.manual_seed(1)
+    r.forward_and_adapt(torch.rand(8, 1, 4, 4))
+    assert not seen and all(torch.equal(a, b) for a, b in zip(r._robust_stats(r.teacher), source, strict=True))
+    r.forward_and_adapt(torch.rand(4, 1, 4, 4) * 5 + 2)
+    (state, bank, _), = seen
+    g = torch.Generator()
+    g.set_state(state)
+    reference = _TwoBN()  # the source model again: its statistics are where the update starts from
+    for got, want in zip(r._robust_stats(r.teacher), _robust_stats_after(bank, RobustView(reference)), strict=True):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(r._robust_stats(model), _robust_stats_after(_strong_augment(bank, g), RobustView(reference)),
+                         strict=True):
+        torch.testing.assert_close(got, want)
+
+
+class RobustView:
+    """:class:`_TwoBN`'s source layers under the names :func:`_robust_stats_after` reads (``mean``, ``var``)."""
+
+    def __init__(self, net: _TwoBN) -> None:
+        self.conv = net.conv
+        self.bn1, self.bn2 = (RobustBatchNorm(bn) for bn in (net.bn1, net.bn2))
 
 
 def test_rotta_student_loss_is_timeliness_weighted_and_the_teacher_follows_by_ema():
@@ -152,16 +268,16 @@ def test_rotta_student_loss_is_timeliness_weighted_and_the_teacher_follows_by_em
     assert isinstance(model.blocks[0][1], RobustBatchNorm)
     x = torch.rand(6, 1, 8, 8)
     r.forward_and_adapt(x)  # fills the bank (no update yet: update_frequency 1000)
-    assert len(r.bank) == 6 and [i["age"] for i in r.bank] == [5, 4, 3, 2, 1, 0]
-    student = copy.deepcopy(model)
+    assert len(r.bank) == 6
+    xs, ages = r.memory()
+    assert sorted(ages.tolist(), reverse=True) == [6.0, 5, 4, 3, 2, 1]  # aged after each offer, the newest too
+    student = copy.deepcopy(model).train()
     teacher_before = [p.detach().clone() for p in r.teacher.parameters()]
     g = torch.Generator()
     g.set_state(r.generator.get_state())
-    xs = torch.stack([i["x"] for i in r.bank])
-    ages = torch.tensor([5.0, 4, 3, 2, 1, 0])
-    w = torch.exp(-ages / 64) / (1 + torch.exp(-ages / 64))
+    w = _timeliness(ages.tolist(), 64)
     with torch.no_grad():
-        target = copy.deepcopy(r.teacher)(xs).softmax(dim=1)
+        target = copy.deepcopy(r.teacher).train()(xs).softmax(dim=1)  # the teacher in train mode, on the bank
     loss = (-(target * student(_strong_augment(xs, g)).log_softmax(dim=1)).sum(dim=1) * w).mean()
     params = [p for m in student.modules() if isinstance(m, RobustBatchNorm) for p in (m.weight, m.bias)]
     grads = torch.autograd.grad(loss, params)
@@ -172,6 +288,7 @@ def test_rotta_student_loss_is_timeliness_weighted_and_the_teacher_follows_by_em
         torch.testing.assert_close(new.detach(), b - g_, atol=1e-5, rtol=1e-4)
     for t0, t, s in zip(teacher_before, r.teacher.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(t, 0.75 * t0 + 0.25 * s.detach())
+    assert not model.training and not r.teacher.training  # back to eval mode for the next test batch
 
 
 # -- LAME -----------------------------------------------------------------------------------------------

@@ -13,18 +13,24 @@ is trained) is :class:`~lowrank_lit.tta.SourceOnly` with ``batch_stats=True``; t
   source state. Adapted: the norm layers' affine parameters (the paper also leaves the deepest blocks' norms
   frozen on ResNet/ViT; our small CNNs adapt every norm layer, inferred). Defaults: the paper's ImageNet-C values
   (SGD lr 0.00025 for batch 64).
-* RoTTA (Yuan et al., CVPR 2023, "Robust test-time adaptation in dynamic scenarios"): (1) robust batch norm
-  (:class:`RobustBatchNorm`): each BatchNorm normalises with global statistics that follow the batches by an
-  exponential moving average (``alpha`` 0.05) instead of the test batch's own; (2) a category-balanced memory
-  bank (CSTU, ``memory_size`` 64): each test sample enters with the teacher's pseudo-label and entropy; a class
-  below its share (N / C) displaces, when the bank is full, the highest-scoring instance of the majority classes,
-  a class at its share displaces its own highest-scoring instance, in both cases only if that score exceeds the
-  newcomer's; score = ``lambda_t`` / (1 + exp(-age / N)) + ``lambda_u`` H / ln C (ages: incoming samples seen
-  since the instance entered); (3) every ``update_frequency`` (64) samples the student trains on the bank: the
-  teacher's soft labels on the stored images against the student's on strongly augmented ones, each instance
-  weighted by its timeliness exp(-age / N) / (1 + exp(-age / N)); Adam lr 1e-3 on the norm affine parameters;
-  then the teacher follows the student by an EMA (``nu`` 0.001). The prediction is the teacher's. Strong
-  augmentation for small grey images (inferred): shifts up to 2 px, brightness/contrast jitter, Gaussian noise.
+* RoTTA (Yuan et al., CVPR 2023, "Robust test-time adaptation in dynamic scenarios"), as its public code has it:
+  (1) robust batch norm (:class:`RobustBatchNorm`): in train mode each BatchNorm normalises with global
+  statistics that follow the batch by an exponential moving average (``alpha`` 0.05) and stores them; in eval mode
+  it normalises with the stored statistics and changes nothing. Each test batch is predicted by the teacher in
+  eval mode, so the statistics never follow the test stream; teacher and student run in train mode only inside
+  the update on the memory bank (teacher: the stored images; student: their strong augmentations). (2) A
+  category-balanced memory bank (CSTU, ``memory_size`` 64): each test sample is offered with the teacher's
+  pseudo-label and uncertainty ``-sum p log(p + 1e-6)``, scored at age 0; a class below its share (N / C)
+  displaces, when the bank is full, the highest-scoring instance of the majority classes, a class at its share
+  displaces its own highest-scoring instance, in both cases only if that score exceeds the newcomer's (ties go to
+  the last in class order, then insertion order); score = ``lambda_t`` / (1 + exp(-age / N)) + ``lambda_u`` H /
+  ln C. After each offer every stored instance ages by one, the newcomer too. (3) Every ``update_frequency`` (64)
+  samples the student trains on the bank (class order, then insertion order): the teacher's soft labels on the
+  stored images against the student's on strongly augmented ones, each instance weighted by its timeliness
+  exp(-age / N) / (1 + exp(-age / N)); Adam lr 1e-3 on the norm affine parameters; then the teacher's parameters
+  follow the student's by an EMA (``nu`` 0.001; its statistics are its own). The prediction is the teacher's.
+  Strong augmentation for small grey images (inferred): shifts up to 2 px, brightness/contrast jitter, Gaussian
+  noise.
 * LAME (Boudiaf et al., CVPR 2022, "Parameter-free online test-time adaptation"): no parameter changes; the
   frozen model's class probabilities ``Y`` of a batch are replaced by the assignments ``Z`` minimising
   ``sum_i KL(z_i || y_i) - sum_ij W_ij z_i . z_j`` (a Laplacian term on a k-nearest-neighbour affinity ``W`` of the
@@ -127,12 +133,12 @@ class SAR(TTAMethod):
 
 
 class RobustBatchNorm(nn.Module):
-    """RoTTA's robust BatchNorm: normalise with global statistics that follow each batch by an EMA.
+    """RoTTA's robust BatchNorm: normalise with global statistics that follow each training batch by an EMA.
 
-    Every forward computes the batch's mean and (biased) variance per channel, mixes them into the global
-    statistics (``(1 - alpha) global + alpha batch``; gradients flow through the batch part) and normalises with
-    the mix; the stored statistics are the detached mix. Starts from the wrapped BatchNorm's running statistics
-    and affine parameters.
+    In train mode a forward computes the batch's mean and (biased) variance per channel, mixes them into the
+    global statistics (``(1 - alpha) global + alpha batch``; gradients flow through the batch part), normalises
+    with the mix and stores it (detached). In eval mode it normalises with the stored statistics and changes
+    nothing. Starts from the wrapped BatchNorm's running statistics and affine parameters.
 
     Args:
         bn: the source BatchNorm (1d/2d/3d) with running statistics.
@@ -155,11 +161,14 @@ class RobustBatchNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
-        mean = (1 - self.alpha) * self.mean + self.alpha * x.mean(dims)  # (C,)
-        var = (1 - self.alpha) * self.var + self.alpha * x.var(dims, unbiased=False)
-        with torch.no_grad():
-            self.mean.copy_(mean)
-            self.var.copy_(var)
+        if self.training:
+            mean = (1 - self.alpha) * self.mean + self.alpha * x.mean(dims)  # (C,)
+            var = (1 - self.alpha) * self.var + self.alpha * x.var(dims, unbiased=False)
+            with torch.no_grad():
+                self.mean.copy_(mean)
+                self.var.copy_(var)
+        else:
+            mean, var = self.mean, self.var
         x = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + self.eps)
         return x * self.weight.view(shape) + self.bias.view(shape)
 
@@ -236,23 +245,29 @@ class RoTTA(TTAMethod):
         return (self.lambda_t / (1 + math.exp(-item["age"] / self.memory_size))
                 + self.lambda_u * item["uncertainty"] / math.log(self.num_classes))
 
+    def _in_class_order(self) -> list[int]:
+        """Indices of the bank in the published memory's order: by class, then by insertion."""
+        return sorted(range(len(self.bank)), key=lambda i: self.bank[i]["label"])
+
     def _displace(self, classes: set[int], newcomer: float) -> bool:
-        """Remove the highest-scoring instance of ``classes`` if it scores above ``newcomer``."""
+        """Remove the highest-scoring instance of ``classes`` (the last of equal scores, in class order) if it scores
+        above ``newcomer``; with no instance of ``classes`` there is nothing to displace and the newcomer enters."""
         best, best_score = None, -math.inf
-        for i, item in enumerate(self.bank):
-            if item["label"] in classes:
-                s = self._score(item)
+        for i in self._in_class_order():
+            if self.bank[i]["label"] in classes:
+                s = self._score(self.bank[i])
                 if s >= best_score:
                     best, best_score = i, s
-        if best is None or best_score <= newcomer:
+        if best is None:
+            return True
+        if best_score <= newcomer:
             return False
         self.bank.pop(best)
         return True
 
     def insert(self, x: torch.Tensor, label: int, uncertainty: float) -> bool:
-        """Offer one sample to the bank (CSTU); returns whether it was stored. Every offer ages the bank by one."""
-        for item in self.bank:
-            item["age"] += 1
+        """Offer one sample to the bank (CSTU); returns whether it was stored. The newcomer is scored at age 0; after
+        the offer every stored instance ages by one, the newcomer included."""
         new = {"x": x, "label": int(label), "uncertainty": float(uncertainty), "age": 0}
         share = self.memory_size / self.num_classes
         counts: dict[int, int] = {}
@@ -268,35 +283,53 @@ class RoTTA(TTAMethod):
             ok = self._displace({new["label"]}, self._score(new))
         if ok:
             self.bank.append(new)
+        for item in self.bank:
+            item["age"] += 1
         return ok
+
+    def memory(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored images ``(M, C, H, W)`` and their ages ``(M,)``, in class order, then insertion order."""
+        order = self._in_class_order()
+        return (torch.stack([self.bank[i]["x"] for i in order]),
+                torch.tensor([float(self.bank[i]["age"]) for i in order]))
 
     def _update_student(self) -> None:
         assert self.model is not None and self.optimizer is not None
-        xs = torch.stack([item["x"] for item in self.bank])  # (M, C, H, W)
-        ages = torch.tensor([float(item["age"]) for item in self.bank])
+        xs, ages = self.memory()  # (M, C, H, W), (M,)
         weight = torch.exp(-ages / self.memory_size) / (1 + torch.exp(-ages / self.memory_size))  # timeliness
-        with torch.no_grad():
-            target = self.teacher(xs).softmax(dim=1)
-        with torch.enable_grad():
-            student = self.model(_strong_augment(xs, self.generator))
-            loss = (-(target * student.log_softmax(dim=1)).sum(dim=1) * weight).mean()
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+        self.model.train()
+        self.teacher.train()  # robust BN: the statistics follow the bank, never the test stream
+        try:
+            with torch.no_grad():
+                target = self.teacher(xs).softmax(dim=1)
+            with torch.enable_grad():
+                student = self.model(_strong_augment(xs, self.generator))
+                loss = (-(target * student.log_softmax(dim=1)).sum(dim=1) * weight).mean()
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+        finally:
+            self.model.eval()
+            self.teacher.eval()
         with torch.no_grad():
             for t, s in zip(self.teacher.parameters(), self.model.parameters(), strict=True):
                 t.mul_(1 - self.nu).add_(s, alpha=self.nu)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
+        self.teacher.eval()
         with torch.no_grad():
             return self.teacher(x)
 
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
         assert self.model is not None, "call setup() first"
+        self.model.eval()
+        self.teacher.eval()
         with torch.no_grad():
-            logits = self.teacher(x)  # (B, C); the teacher's robust BN follows the stream
+            logits = self.teacher(x)  # (B, C); eval mode: the robust BN statistics stay where the bank put them
+            p = logits.softmax(dim=1)
+            unc = -(p * (p + 1e-6).log()).sum(dim=1)  # the published uncertainty
         self.num_classes = logits.shape[1]
-        labels, unc = logits.argmax(dim=1), entropy(logits)
+        labels = logits.argmax(dim=1)
         for i in range(len(x)):
             self.insert(x[i].detach().clone(), int(labels[i]), float(unc[i]))
             self.seen += 1
