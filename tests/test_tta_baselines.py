@@ -310,24 +310,68 @@ def test_knn_affinity_and_the_laplacian_fixed_point():
     assert agree(z) >= agree(y)
 
 
-def test_lame_changes_outputs_not_parameters():
+def test_rbf_and_linear_affinities_by_hand():
+    """Three points, the first and last the same direction: distances 0 and sqrt 2 after normalising. rbf with
+    k = 2: the 2nd nearest point counting itself is at 0, sqrt 2, 0, so sigma = sqrt(2) / 3 and a distance sqrt 2
+    gives exp(-2 / (2 * 2 / 9)) = exp(-4.5)."""
+    from lowrank_lit.tta import linear_affinity, rbf_affinity
+
+    f = torch.tensor([[2.0, 0.0], [0.0, 3.0], [0.5, 0.0]])
+    e = math.exp(-4.5)
+    torch.testing.assert_close(rbf_affinity(f, 2), torch.tensor([[1, e, 1], [e, 1, e], [1, e, 1]]))
+    torch.testing.assert_close(linear_affinity(f), torch.tensor([[1.0, 0, 1], [0, 1, 0], [1, 0, 1]]))
+    torch.testing.assert_close(knn_affinity(f, 1), torch.tensor([[0.0, 0, 1], [1, 0, 0], [1, 0, 0]]))
+    # one sample: rbf and linear are [[1]] (no NaN from sigma = 0), knn links nothing
+    one = torch.tensor([[3.0, 4.0]])
+    assert rbf_affinity(one, 5).tolist() == [[1.0]] and linear_affinity(one).tolist() == [[1.0]]
+    assert knn_affinity(one, 5).tolist() == [[0.0]]
+
+
+@pytest.mark.parametrize("affinity", ["rbf", "linear", "knn"])
+def test_lame_fixed_point_by_hand_on_one_sample(affinity):
+    """One sample, W = [[w]] (w = 1 for rbf and linear, 0 for knn), two classes: z = softmax(log y + w z). With z_1 =
+    0.8 and w = 1 that asks y_1 / y_2 = 4 exp(-0.6); with w = 0, z = y."""
+    w = 0.0 if affinity == "knn" else 1.0
+    ratio = 4 * math.exp(-0.6 * w) if w else 4.0
+    y = torch.tensor([[ratio / (1 + ratio), 1 / (1 + ratio)]], dtype=torch.float64)
+    from lowrank_lit.tta.baselines import AFFINITIES
+
+    W = AFFINITIES[affinity](torch.tensor([[3.0, 4.0]], dtype=torch.float64), 5)
+    z = laplacian_adjust(y, W, max_iter=2000, tol=1e-15)
+    torch.testing.assert_close(z, torch.tensor([[0.8, 0.2]], dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("affinity", ["rbf", "knn", "linear"])
+def test_lame_changes_outputs_not_parameters(affinity):
+    from lowrank_lit.tta.baselines import AFFINITIES
+
     model = _bn_model()
     before = copy.deepcopy(model.state_dict())
-    lame = LAME(knn=3)
+    lame = LAME(affinity=affinity, knn=3)
     lame.setup(model)
     x = torch.rand(10, 1, 8, 8)
     out = lame.forward_and_adapt(x)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # source statistics kept too
+    assert all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(out.softmax(dim=1).sum(dim=1), torch.ones(10))  # rows sum to 1
     with torch.no_grad():
         y = model(x).softmax(dim=1)
         feats = model.blocks(x).mean(dim=(2, 3))
-    torch.testing.assert_close(out.softmax(dim=1), laplacian_adjust(y, knn_affinity(feats, 3)), atol=1e-6, rtol=0)
+    want = laplacian_adjust(y, AFFINITIES[affinity](feats, 3))
+    torch.testing.assert_close(out.softmax(dim=1), want, atol=1e-6, rtol=0)
+
+
+def test_lame_defaults_to_the_published_rbf_affinity_and_refuses_an_unknown_one():
+    assert LAME().affinity == "rbf" and LAME().knn == 5
+    with pytest.raises(ValueError, match="LAME: affinity='cosine'; allowed: rbf, knn, linear"):
+        LAME(affinity="cosine")
 
 
 # -- resume mid-stream --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make", [lambda: SAR(lr=0.01, e_margin=1.0), lambda: RoTTA(update_frequency=8, memory_size=8),
-                                  lambda: LAME(knn=3)], ids=["sar", "rotta", "lame"])
+                                  lambda: LAME(knn=3), lambda: LAME(affinity="knn", knn=3)],
+                         ids=["sar", "rotta", "lame", "lame_knn"])
 def test_a_stream_state_resumes_the_method_exactly(make):
     torch.manual_seed(1)
     batches = [torch.rand(8, 1, 8, 8) for _ in range(4)]

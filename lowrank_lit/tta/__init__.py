@@ -12,9 +12,18 @@ from lowrank_lit.tta.base import (
            entropy,
            norm_affine_params,
 )
-from lowrank_lit.tta.baselines import LAME, SAR, RobustBatchNorm, RoTTA, knn_affinity, laplacian_adjust
+from lowrank_lit.tta.baselines import (
+    LAME,
+    SAR,
+    RobustBatchNorm,
+    RoTTA,
+    knn_affinity,
+    laplacian_adjust,
+    linear_affinity,
+    rbf_affinity,
+)
 from lowrank_lit.tta.module import TTAModule, load_backbone, plot_recurrence, purity
 
 __all__ = ["TTAMethod", "TTAWrapper", "SourceData", "SourceOnly", "Tent", "EATA", "CoTTA", "SAR", "RoTTA", "LAME",
-           "RobustBatchNorm", "knn_affinity", "laplacian_adjust", "TTAModule", "entropy", "norm_affine_params",
+           "RobustBatchNorm", "knn_affinity", "rbf_affinity", "linear_affinity", "laplacian_adjust", "TTAModule", "entropy", "norm_affine_params",
            "load_backbone", "plot_recurrence", "purity"]

@@ -33,11 +33,14 @@ is trained) is :class:`~lowrank_lit.tta.SourceOnly` with ``batch_stats=True``; t
   noise.
 * LAME (Boudiaf et al., CVPR 2022, "Parameter-free online test-time adaptation"): no parameter changes; the
   frozen model's class probabilities ``Y`` of a batch are replaced by the assignments ``Z`` minimising
-  ``sum_i KL(z_i || y_i) - sum_ij W_ij z_i . z_j`` (a Laplacian term on a k-nearest-neighbour affinity ``W`` of the
-  penultimate features, ``knn`` 5, cosine), found by the paper's bound updates
-  ``z_i <- softmax(log y_i + sum_j W_ij z_j)`` until the objective changes by less than ``tol`` relative. The
-  features are the input of the model's last ``nn.Linear`` (the classifier head). BatchNorm keeps the source
-  model's statistics.
+  ``sum_i KL(z_i || y_i) - sum_ij W_ij z_i . z_j`` (a Laplacian term on an affinity ``W`` of the L2-normalised
+  penultimate features), found by the paper's bound updates ``z_i <- softmax(log y_i + sum_j W_ij z_j)`` until the
+  objective changes by less than ``tol`` relative. The affinity, as in the paper's public code: ``rbf`` (the
+  default there and in its best overall configuration) ``W_ij = exp(-||f_i - f_j||^2 / (2 sigma^2))`` with sigma
+  the mean over the batch of each sample's distance to its ``knn``-th nearest point counting itself (the code's
+  ``sigma`` setting is unused), the diagonal included; ``knn``: ``W_ij = 1`` for the ``knn`` nearest other samples;
+  ``linear``: ``W = F F^T``. ``knn`` 5. The features are the input of the model's last ``nn.Linear`` (the
+  classifier head). BatchNorm keeps the source model's statistics.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +56,8 @@ from torch import nn
 
 from lowrank_lit.tta.base import _NORMS, TTAMethod, entropy
 
-__all__ = ["SAR", "RoTTA", "RobustBatchNorm", "LAME", "laplacian_adjust", "knn_affinity"]
+__all__ = ["SAR", "RoTTA", "RobustBatchNorm", "LAME", "laplacian_adjust", "knn_affinity", "rbf_affinity",
+           "linear_affinity", "AFFINITIES"]
 
 
 class SAR(TTAMethod):
@@ -386,6 +390,29 @@ def knn_affinity(features: torch.Tensor, k: int) -> torch.Tensor:
     return w
 
 
+def rbf_affinity(features: torch.Tensor, k: int) -> torch.Tensor:
+    """``(N, D) -> (N, N)``: ``W_ij = exp(-||f_i - f_j||^2 / (2 sigma^2))`` on the L2-normalised features, sigma the
+    mean over ``i`` of the distance from ``f_i`` to its ``k``-th nearest point, ``f_i`` itself counted first (LAME's
+    public code). The diagonal is 1. With every such distance 0 (e.g. one sample) sigma is taken as 1e-12: identical
+    points get 1, distinct ones 0."""
+    f = F.normalize(features, dim=1)
+    dist = torch.cdist(f, f)  # (N, N)
+    kth = dist.topk(min(k, len(f)), dim=1, largest=False).values[:, -1]  # (N,)
+    sigma = kth.mean().clamp_min(1e-12)
+    return torch.exp(-dist.pow(2) / (2 * sigma**2))
+
+
+def linear_affinity(features: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """``(N, D) -> (N, N)``: ``W = F F^T`` of the L2-normalised features (cosine similarities, diagonal 1); ``k`` is
+    unused (the signature of the other affinities)."""
+    f = F.normalize(features, dim=1)
+    return f @ f.T
+
+
+#: LAME's affinities by name: ``features (N, D), k -> W (N, N)``
+AFFINITIES = {"rbf": rbf_affinity, "knn": knn_affinity, "linear": linear_affinity}
+
+
 def laplacian_adjust(probs: torch.Tensor, affinity: torch.Tensor, max_iter: int = 100, tol: float = 1e-8) -> torch.Tensor:
     """LAME's assignments: minimise ``sum_i KL(z_i || y_i) - sum_ij W_ij z_i . z_j`` over the simplex by the bound
     updates ``z_i <- softmax(log y_i + sum_j W_ij z_j)`` from ``z = y``; stop when the objective changes by at most
@@ -410,7 +437,9 @@ class LAME(TTAMethod):
     """Laplacian-adjusted maximum-likelihood estimation of the frozen model's outputs (module docstring).
 
     Args:
-        knn: neighbours of each sample in the affinity. Default: 5.
+        affinity: ``"rbf"`` (the published default), ``"knn"`` or ``"linear"``.
+        knn: the neighbour count of the affinity (rbf: whose distance sets sigma; knn: the neighbours linked).
+            Default: 5.
         max_iter: bound updates at most. Default: 100.
         tol: relative change of the objective that stops the updates. Default: 1e-8.
     """
@@ -418,11 +447,14 @@ class LAME(TTAMethod):
     adapts = False
     batch_stats = False  # the source model's statistics: LAME changes outputs only
 
-    def __init__(self, knn: int = 5, max_iter: int = 100, tol: float = 1e-8) -> None:
+    def __init__(self, affinity: Literal["rbf", "knn", "linear"] = "rbf", knn: int = 5, max_iter: int = 100,
+                 tol: float = 1e-8) -> None:
         super().__init__()
+        if affinity not in AFFINITIES:
+            raise ValueError(f"LAME: affinity={affinity!r}; allowed: {', '.join(AFFINITIES)}")
         if knn < 1 or max_iter < 1 or tol < 0:
             raise ValueError(f"LAME: knn={knn}, max_iter={max_iter}, tol={tol}; allowed: >= 1, >= 1, >= 0")
-        self.knn, self.max_iter, self.tol = knn, max_iter, tol
+        self.affinity, self.knn, self.max_iter, self.tol = affinity, knn, max_iter, tol
         self._features: torch.Tensor | None = None
 
     def setup(self, model: nn.Module, source_batches: Iterable[Any] | None = None) -> None:
@@ -444,7 +476,8 @@ class LAME(TTAMethod):
         through its copies, such as ReservoirTTA's ensemble, gets the adjustment too)."""
         logits = super().predict(x)  # (B, C), the frozen model's
         assert self._features is not None
-        z = laplacian_adjust(logits.softmax(dim=1), knn_affinity(self._features, self.knn), self.max_iter, self.tol)
+        w = AFFINITIES[self.affinity](self._features, self.knn)  # (B, B)
+        z = laplacian_adjust(logits.softmax(dim=1), w, self.max_iter, self.tol)
         return z.clamp_min(1e-30).log()  # logits whose softmax is z
 
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
