@@ -15,7 +15,8 @@ wall time and the last value of KEY the output printed, beside the page's value 
 To measure the band again, run the script under each setting and take the range of the printed values::
 
     for k in default avx2; do for t in 1 2; do
-      ATEN_CPU_CAPABILITY=$k OMP_NUM_THREADS=$t python benchmarks/quick_runs.py > quick_$k_$t.md; done; done
+      ATEN_CPU_CAPABILITY=$k OMP_NUM_THREADS=$t python benchmarks/quick_runs.py --measure > quick_${k}_$t.md
+    done; done
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class QuickRun:
     high: float
 
 
-def quick_run(page: Path) -> QuickRun:
+def quick_run(page: Path, require_band: bool = True) -> QuickRun:
     """Parse the "## Try it" section of ``page`` (the first ``##`` section of the page).
+
+    ``require_band=False`` (``--measure``) reads a page that states no band yet: the band is the value itself.
 
     Raises:
         ValueError: no such section first, no bash block, or no "About N s|min ... ends with `KEY VALUE`" sentence.
@@ -84,7 +87,7 @@ def quick_run(page: Path) -> QuickRun:
     after = prose[ends.end():]
     band = re.match(rf"\s+\(({_NUMBER})-({_NUMBER})\s+across\s+CPU\s+kernels\s+and\s+threads", after)
     same = re.match(r"\s+\(the\s+same\s+across\s+CPU\s+kernels\s+and\s+threads", after)
-    if band is None and same is None:
+    if band is None and same is None and require_band:
         raise ValueError(f"{page.name}: after `{ends.group(1)} {value}` give its band, '(LOW-HIGH across CPU kernels "
                          "and threads' or '(the same across CPU kernels and threads'")
     low, high = (float(band.group(1)), float(band.group(2))) if band else (float(value), float(value))
@@ -126,9 +129,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("slugs", nargs="*", help="method pages to run (default: all)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a printed value falls outside its page's band")
+    parser.add_argument("--measure", action="store_true",
+                        help="only print the values (to measure a band): a page need not state one yet")
     args = parser.parse_args()
+    if args.check and args.measure:
+        parser.error("--check and --measure exclude each other")
     pages = [PAGES / f"{s}.md" for s in args.slugs] or sorted(PAGES.glob("*.md"))
-    runs = [quick_run(p) for p in pages]
+    runs = [quick_run(p, require_band=not args.measure) for p in pages]
     import torch
 
     kernel = os.environ.get("ATEN_CPU_CAPABILITY", "native")

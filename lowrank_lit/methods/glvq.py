@@ -8,8 +8,13 @@ Each group of ``group_size`` input columns of a weight ``W (m, n)`` gets its own
 ``m x group_size`` weights are cut into ``d``-vectors (row-major: ``d`` consecutive entries of a row,
 inferred), ``Y (d, L)``:
 
-    encode:  z = clamp(round(G^-1 F_mu(w / s)), -2^(b-1), 2^(b-1) - 1)        (Babai rounding, b bits)
-    decode:  w_hat = s * F_mu^-1(G z)         F_mu(w) = sign(w) ln(1 + mu |w|) / ln(1 + mu)
+    encode:  z = clamp(round(G^-1 F_mu(w / s) - o), -2^(b-1), 2^(b-1) - 1)    (Babai rounding, b bits)
+    decode:  w_hat = s * F_mu^-1(G (z + o))   F_mu(w) = sign(w) ln(1 + mu |w|) / ln(1 + mu)
+
+The codebook (``codebook``, inferred: neither the paper nor its repository, which holds no code, says): ``integer``
+(``o = 0``, the default) is the lattice ``G Z^d`` clamped to the b-bit integer range, asymmetric about 0 (2 bits:
+levels -2, -1, 0, 1); ``symmetric`` (``o = 1/2``) is its coset shifted by half a step, symmetric about 0 (2 bits:
+-3/2, -1/2, 1/2, 3/2). The codes are stored the same way; docs/methods/glvq.md has the table of both.
 
 ``s = max |W_g|`` when companding (else 1). ``G`` (and ``mu``) minimise the calibration output error
 ``||(W_g - W_hat_g) X_g||_F^2 = tr(E H_g E^T)`` with ``H_g = X_g X_g^T`` (only the Gram matrix is needed),
@@ -38,7 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -82,6 +87,8 @@ __all__ = [
 
 PAPER = "Learning Grouped Lattice Vector Quantizers for Low-Bit LLM Compression (GLVQ)"
 INITS = ("both", "cholesky", "scalar")
+#: the codebooks: name -> the half-step offset ``o`` of the decoded points ``G (z + o)``
+CODEBOOKS = {"integer": 0.0, "symmetric": 0.5}
 METHODS = ("glvq", "scalar", "rtn")
 
 
@@ -97,20 +104,28 @@ def mulaw_inv(v: torch.Tensor, mu: torch.Tensor | float) -> torch.Tensor:
     return torch.sign(v) * torch.expm1(v.abs() * torch.log1p(mu)) / mu
 
 
+def _check_codebook(codebook: str) -> None:
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"GLVQ: codebook={codebook!r}; allowed: {', '.join(CODEBOOKS)}")
+
+
 def _check_bits(bits: int) -> None:
     if not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"GLVQ: bits={bits!r}; allowed: an integer in [1, 8]")
 
 
-def babai_round(G: torch.Tensor, Y: torch.Tensor, bits: int | None = None) -> torch.Tensor:
-    """Babai rounding ``z = round(G^-1 Y)``, clamped to ``[-2^(b-1), 2^(b-1) - 1]`` when ``bits`` is given.
+def babai_round(G: torch.Tensor, Y: torch.Tensor, bits: int | None = None, offset: float = 0.0) -> torch.Tensor:
+    """Babai rounding ``z = round(G^-1 Y - offset)``, clamped to ``[-2^(b-1), 2^(b-1) - 1]`` when ``bits`` is given
+    (the nearest point of the coset ``G (Z^d + offset)`` coordinate by coordinate in ``G``'s basis).
 
     Args:
         G: ``(d, d)`` generation matrix.
         Y: ``(d, L)`` points.
         bits: code width; None: no clamp.
+        offset: the codebook's half-step offset ``o`` (0: the lattice itself). Default: 0.
     """
-    Z = torch.round(torch.linalg.solve(G, Y))
+    Z = torch.linalg.solve(G, Y)
+    Z = torch.round(Z - offset if offset else Z)
     if bits is not None:
         _check_bits(bits)
         Z = Z.clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
@@ -155,21 +170,24 @@ class GroupResult:
     history: list[float] = field(default_factory=list)
     start: GroupResult | None = None  # glvq: the best scalar lattice it started from
     runs: list[GroupResult] = field(default_factory=list)  # glvq: the best iterate of each start
+    offset: float = 0.0  # the codebook's half-step offset: decoded points G (z + offset)
 
     def decode(self, shape: tuple[int, int]) -> torch.Tensor:
-        return _decode(self.G, self.codes, self.mu, self.scale, shape)
+        return _decode(self.G, self.codes, self.mu, self.scale, shape, self.offset)
 
 
-def _decode(G: torch.Tensor, Z: torch.Tensor, mu: Any, scale: float, shape: tuple[int, int]) -> torch.Tensor:
-    V = G @ Z  # (d, L)
+def _decode(G: torch.Tensor, Z: torch.Tensor, mu: Any, scale: float, shape: tuple[int, int],
+            offset: float = 0.0) -> torch.Tensor:
+    V = G @ (Z + offset if offset else Z)  # (d, L)
     if isinstance(mu, torch.Tensor) or mu:
         V = mulaw_inv(V, mu)
     return scale * _from_vectors(V, shape)
 
 
 def decode_groups(G: torch.Tensor, codes: torch.Tensor, mu: torch.Tensor, scale: torch.Tensor, out_features: int,
-                  group_size: int) -> torch.Tensor:
-    """Decode every column group at once: ``W_hat[:, g] = s_g F_mu_g^-1(G_g z)`` in ``G``'s dtype (float32 in a layer).
+                  group_size: int, offset: float = 0.0) -> torch.Tensor:
+    """Decode every column group at once: ``W_hat[:, g] = s_g F_mu_g^-1(G_g (z + o))`` in ``G``'s dtype (float32 in a
+    layer).
 
     One batched matmul over all groups' d-vectors and a vectorised mu-law inverse (groups with ``mu = 0``
     are not companded); agrees with the float64 per-group reference :func:`_decode` to ``G``'s rounding.
@@ -181,12 +199,14 @@ def decode_groups(G: torch.Tensor, codes: torch.Tensor, mu: torch.Tensor, scale:
         scale: ``(n_groups,)`` scales.
         out_features: rows of the weight.
         group_size: columns per group.
+        offset: the codebook's half-step offset ``o``. Default: 0.
 
     Returns:
         ``(out_features, n_groups * group_size)`` weight.
     """
     n_groups = G.shape[0]
-    V = torch.bmm(G, codes.to(G.dtype))  # (n_groups, d, L)
+    Z = codes.to(G.dtype)
+    V = torch.bmm(G, Z + offset if offset else Z)  # (n_groups, d, L)
     mu = mu.to(G.dtype).view(n_groups, 1, 1)
     companded = mu > 0
     if bool(companded.any()):
@@ -199,11 +219,12 @@ def decode_groups(G: torch.Tensor, codes: torch.Tensor, mu: torch.Tensor, scale:
     return V.permute(2, 0, 3, 1).reshape(out_features, n_groups * group_size)
 
 
-def _encode(G: torch.Tensor, Wg: torch.Tensor, mu: Any, scale: float, d: int, bits: int) -> torch.Tensor:
+def _encode(G: torch.Tensor, Wg: torch.Tensor, mu: Any, scale: float, d: int, bits: int,
+            offset: float = 0.0) -> torch.Tensor:
     Y = _to_vectors(Wg / scale, d)
     if isinstance(mu, torch.Tensor) or mu:
         Y = mulaw(Y, mu)
-    return babai_round(G, Y, bits)
+    return babai_round(G, Y, bits, offset)
 
 
 def _kurtosis(w: torch.Tensor) -> float:
@@ -225,6 +246,7 @@ def quantize_group(
     sigma_range: tuple[float, float] = (1e-4, 1e4),
     scale_grid: int = 64,
     init: str = "both",
+    codebook: str = "integer",
 ) -> GroupResult:
     """Quantize one column group ``Wg (m, n_g)`` against its calibration Gram matrix ``H (n_g, n_g)``.
 
@@ -234,16 +256,19 @@ def quantize_group(
     ``G_0``: lower Cholesky factor of the covariance of the d-vectors, times ``c / 2^(b-1)`` with ``c``
     grid-searched on the loss), ``scalar`` (the best scalar lattice) or ``both`` (one run from each, the
     better kept). ``lam`` weighs ``||G - G_0||_F^2``. Adam's step is ``lr`` times the mean ``|diag G_0|``
-    (inferred: the paper gives no optimiser settings).
+    (inferred: the paper gives no optimiser settings). ``codebook``: ``integer`` or ``symmetric`` (module
+    docstring).
     """
     _check_bits(bits)
+    _check_codebook(codebook)
     if method not in ("glvq", "scalar"):
         raise ValueError(f"quantize_group: method={method!r}; allowed: glvq, scalar")
     if init not in INITS:
         raise ValueError(f"quantize_group: init={init!r}; allowed: {', '.join(INITS)}")
     # callable from evaluation hooks (Lightning's test loop runs in inference mode): optimise with autograd on
     with torch.inference_mode(False), torch.enable_grad():
-        return _quantize_group(Wg.clone(), H.clone(), bits, dim, method, compand, steps, lr, lam, sigma_range, scale_grid, init)
+        return _quantize_group(Wg.clone(), H.clone(), bits, dim, method, compand, steps, lr, lam, sigma_range, scale_grid, init,
+                               CODEBOOKS[codebook])
 
 
 def _cholesky_init(Y: torch.Tensor, bits: int, loss: Any, grid: int) -> torch.Tensor | None:
@@ -268,7 +293,7 @@ def _cholesky_init(Y: torch.Tensor, bits: int, loss: Any, grid: int) -> torch.Te
 
 def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, method: str, compand: bool, steps: int,
                     lr: float, lam: float, sigma_range: tuple[float, float], scale_grid: int,
-                    init: str = "both") -> GroupResult:
+                    init: str = "both", offset: float = 0.0) -> GroupResult:
     m, ng = Wg.shape
     if (m * ng) % dim:
         raise ValueError(f"GLVQ: dim={dim} does not divide the group's m * group_size = {m} * {ng}")
@@ -280,8 +305,8 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
     eye = torch.eye(dim, dtype=torch.float64)
 
     def loss_of(G: torch.Tensor, mu: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        Z = _encode(G.detach(), Wg, mu.detach() if isinstance(mu, torch.Tensor) else mu, scale, dim, bits)
-        return _loss(Wg - _decode(G, Z, mu, scale, (m, ng)), H), Z
+        Z = _encode(G.detach(), Wg, mu.detach() if isinstance(mu, torch.Tensor) else mu, scale, dim, bits, offset)
+        return _loss(Wg - _decode(G, Z, mu, scale, (m, ng), offset), H), Z
 
     # best scalar lattice: G = s I on a grid of step sizes
     ref = float(Wg.abs().max() / scale)
@@ -294,7 +319,7 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
     G0 = best_s * eye
     loss0, Z0 = loss_of(G0, mu0)
     if method == "scalar":
-        return GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0))
+        return GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0), offset=offset)
     starts = [G0] if init in ("scalar", "both") else []
     if init in ("cholesky", "both"):
         Y = _to_vectors(Wg / scale, dim)
@@ -334,10 +359,10 @@ def _quantize_group(Wg: torch.Tensor, H: torch.Tensor, bits: int, dim: int, meth
     Gb, mub, Zb, lb = best_state
     if torch.linalg.cond(Gb) > 1e8:
         raise ValueError(f"GLVQ: the generation matrix became ill-conditioned (cond {float(torch.linalg.cond(Gb)):.3g} > 1e8)")
-    start = GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0))
-    runs = [GroupResult(Zr, Gr, mur, scale, bits, lr_, float(loss0)) for Gr, mur, Zr, lr_ in run_bests
+    start = GroupResult(Z0, G0, mu0, scale, bits, float(loss0), float(loss0), offset=offset)
+    runs = [GroupResult(Zr, Gr, mur, scale, bits, lr_, float(loss0), offset=offset) for Gr, mur, Zr, lr_ in run_bests
             if torch.linalg.cond(Gr) <= 1e8]
-    return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history, start, runs)
+    return GroupResult(Zb, Gb, mub, scale, bits, lb, float(loss0), history, start, runs, offset)
 
 
 def select_groups(W: torch.Tensor, H: torch.Tensor, options: list[list[torch.Tensor]], max_passes: int = 20) -> list[int]:
@@ -456,7 +481,8 @@ class GLVQLinear(nn.Module):
 
     Buffers: ``packed`` (uint8: each group's ``d x L`` codes at its ``b_g`` bits, :func:`pack_codes`, groups one
     after another), ``G (groups, d, d)``, ``mu (groups,)`` (0 = no companding), ``scale (groups,)``,
-    ``bits (groups,)``; ``bias`` as in the original layer. ``state_dict`` holds only these, so a saved quantized
+    ``bits (groups,)``, ``offset`` (a scalar: the codebook's half-step offset, decoded points ``G (z + offset)``;
+    0 when a state written before it existed is loaded); ``bias`` as in the original layer. ``state_dict`` holds only these, so a saved quantized
     model reloads into ``GLVQLinear(in, out, ...)`` exactly (a state with unpacked int8 ``codes``, as written by
     earlier versions, is packed on loading).
 
@@ -496,6 +522,7 @@ class GLVQLinear(nn.Module):
         self.register_buffer("mu", torch.zeros(n_groups))
         self.register_buffer("scale", torch.ones(n_groups))
         self.register_buffer("bits", torch.zeros(n_groups, dtype=torch.long))
+        self.register_buffer("offset", torch.zeros(()))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self._cache: torch.Tensor | None = None
 
@@ -548,6 +575,7 @@ class GLVQLinear(nn.Module):
             state_dict[prefix + "packed"] = pack_groups(list(old), bits)
         if prefix + "packed" in state_dict:  # its length depends on the bits: take the stored size
             self.packed = torch.empty_like(state_dict[prefix + "packed"], device=self.packed.device)
+            state_dict.setdefault(prefix + "offset", torch.zeros(()))  # written before the codebook offset existed
         self._cache = None
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -558,13 +586,17 @@ class GLVQLinear(nn.Module):
                 self.mu[g] = float(r.mu)
                 self.scale[g] = float(r.scale)
                 self.bits[g] = r.bits
+            offsets = {float(r.offset) for r in results}
+            if len(offsets) > 1:
+                raise ValueError(f"GLVQLinear.set_groups: groups with different codebook offsets {sorted(offsets)}")
+            self.offset.fill_(offsets.pop() if offsets else 0.0)
             self.packed = pack_groups([r.codes.to(torch.int8) for r in results], [r.bits for r in results]).to(self.G.device)
         self._cache = None
 
     def _decode(self, start: int, stop: int) -> torch.Tensor:
         """Columns of groups ``start .. stop - 1`` of the decoded weight: ``(out, (stop - start) group_size)``."""
         return decode_groups(self.G[start:stop], self.group_codes(start, stop).to(self.G.device), self.mu[start:stop],
-                             self.scale[start:stop], self.out_features, self.group_size)
+                             self.scale[start:stop], self.out_features, self.group_size, float(self.offset))
 
     def weight_hat(self) -> torch.Tensor:
         """The decoded ``(out, in)`` weight in the buffers' dtype (batched :func:`decode_groups`); cached until the
@@ -580,7 +612,7 @@ class GLVQLinear(nn.Module):
         """The same weight decoded group by group in float64 (the reference :meth:`weight_hat` is tested against)."""
         codes = self.codes
         cols = [_decode(self.G[g].double(), codes[g].double(), float(self.mu[g]), float(self.scale[g]),
-                        (self.out_features, self.group_size)) for g in range(codes.shape[0])]
+                        (self.out_features, self.group_size), float(self.offset)) for g in range(codes.shape[0])]
         return torch.cat(cols, dim=1)
 
     def set_compact(self, compact: bool = True) -> GLVQLinear:
@@ -617,18 +649,21 @@ def quantize_linear(
     sdba: bool = False,
     steps: int = 200,
     init: str = "both",
+    codebook: str = "integer",
 ) -> tuple[nn.Module, dict[str, float]]:
     """Quantize ``linear`` with calibration inputs ``X (N, in_features)``.
 
     Returns ``(layer, report)``: a :class:`GLVQLinear` (``glvq``/``scalar``) or an ``nn.Linear`` holding the
     RTN weights (``rtn``), and ``{"rel_error", "bits_per_weight", "avg_code_bits", "scalar_groups"}`` where
-    ``rel_error`` = ``||(W - W_hat) X^T||^2 / ||W X^T||^2``. ``init``: see :func:`quantize_group`.
+    ``rel_error`` = ``||(W - W_hat) X^T||^2 / ||W X^T||^2``. ``init``, ``codebook``: see :func:`quantize_group`
+    (RTN has its own min-max grid: ``codebook`` does not apply to it).
     """
     if isinstance(linear, GLVQLinear):
         raise ValueError("GLVQ: this layer is already quantized")
     if method not in METHODS:
         raise ValueError(f"GLVQ: method={method!r}; allowed: {', '.join(METHODS)}")
     _check_bits(bits)
+    _check_codebook(codebook)
     W = linear.weight.detach().double()
     m, n = W.shape
     if X.ndim != 2 or X.shape[1] != n:
@@ -653,14 +688,16 @@ def quantize_linear(
     sl = [slice(g * group_size, (g + 1) * group_size) for g in range(groups)]
 
     def run(bits_per_group: list[int]) -> list[GroupResult]:
-        return [quantize_group(W[:, s], H[s, s], b, dim, method, compand, steps, init=init) for s, b in zip(sl, bits_per_group, strict=True)]
+        return [quantize_group(W[:, s], H[s, s], b, dim, method, compand, steps, init=init, codebook=codebook)
+                for s, b in zip(sl, bits_per_group, strict=True)]
 
     if sdba:
         cache: dict[tuple[int, int], GroupResult] = {}
 
         def result(g: int, b: int) -> GroupResult:
             if (g, b) not in cache:
-                cache[(g, b)] = quantize_group(W[:, sl[g]], H[sl[g], sl[g]], b, dim, method, compand, steps, init=init)
+                cache[(g, b)] = quantize_group(W[:, sl[g]], H[sl[g], sl[g]], b, dim, method, compand, steps, init=init,
+                                               codebook=codebook)
             return cache[(g, b)]
 
         def error_of(alloc: torch.Tensor) -> float:
@@ -690,7 +727,7 @@ def quantize_linear(
 
 
 #: the ``format`` entry of a quantized model's safetensors metadata
-QUANTIZED_FORMAT = "lowrank_lit.glvq/1"
+QUANTIZED_FORMAT = "lowrank_lit.glvq/2"  # /2 adds L.offset (a /1 file means offset 0)
 
 
 def save_quantized(module: nn.Module, path: str) -> dict[str, Any]:
@@ -698,7 +735,8 @@ def save_quantized(module: nn.Module, path: str) -> dict[str, Any]:
 
     Layout: every state-dict entry of ``module`` under its own name; a :class:`GLVQLinear` named ``L`` contributes
     ``L.packed`` (uint8, :func:`pack_codes` per column group, groups in order), ``L.G (groups, d, d)``,
-    ``L.mu (groups,)`` (0: no companding), ``L.scale (groups,)``, ``L.bits (groups,)`` and ``L.bias``. The file's
+    ``L.mu (groups,)`` (0: no companding), ``L.scale (groups,)``, ``L.bits (groups,)``, ``L.offset ()`` (the
+    codebook's half-step offset) and ``L.bias``. The file's
     metadata holds ``format`` (:data:`QUANTIZED_FORMAT`) and ``layers``: JSON ``{L: {in_features, out_features,
     group_size, dim}}``. docs/methods/glvq.md has a reference decoder of this layout in numpy.
 
@@ -723,7 +761,7 @@ def _stored_decode(r: GroupResult | None, shape: tuple[int, int]) -> torch.Tenso
     """``r`` decoded exactly as :class:`GLVQLinear` serves it (float32 buffers, float32 weight)."""
     assert r is not None
     mu, scale = (float(torch.tensor(float(v), dtype=torch.float32)) for v in (r.mu, r.scale))
-    return _decode(r.G.float().double(), r.codes.double(), mu, scale, shape).float().double()
+    return _decode(r.G.float().double(), r.codes.double(), mu, scale, shape, r.offset).float().double()
 
 
 def layer_inputs(module: nn.Module, loader: Any, names: list[str], batches: int) -> dict[str, torch.Tensor]:
@@ -770,14 +808,19 @@ class GLVQ(pl.Callback):
             scalar lattice) or ``both`` (one run from each, the better kept). Default: both.
         compact: serve the quantized layers in compact mode (:class:`GLVQLinear`: decoded on the fly, no dense
             weight kept). Default: False (decoded once and cached).
+        codebook: ``integer`` (the lattice clamped to the b-bit integers) or ``symmetric`` (its coset shifted by half
+            a step, symmetric about 0); ``glvq`` and ``scalar`` only. Default: integer.
     """
 
     def __init__(self, targets: list[str], method: str = "glvq", bits: int = 2, group_size: int = 32, dim: int = 8,
                  compand: bool = False, sdba: bool = False, steps: int = 200, calib_batches: int = 8,
-                 init: str = "both", compact: bool = False) -> None:
+                 init: str = "both", compact: bool = False,
+                 codebook: Literal["integer", "symmetric"] = "integer") -> None:
         if method not in METHODS:
             raise ValueError(f"GLVQ: method={method!r}; allowed: {', '.join(METHODS)}")
         _check_bits(bits)
+        _check_codebook(codebook)
+        self.codebook = codebook
         if sdba and bits < 2:
             raise ValueError(f"GLVQ: bits={bits} with sdba; allowed: >= 2")
         if calib_batches < 1:
@@ -806,7 +849,7 @@ class GLVQ(pl.Callback):
         for name, lin in layers:
             X = X_of[name]
             q, rep = quantize_linear(lin, X, self.bits, self.group_size, self.dim, self.method, self.compand, self.sdba, self.steps,
-                                     self.init)
+                                     self.init, self.codebook)
             if isinstance(q, GLVQLinear):
                 q.set_compact(self.compact)
             replace_module(pl_module, name, q.to(pl_module.device))
