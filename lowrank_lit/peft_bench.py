@@ -45,12 +45,15 @@ LABELS: dict[str, str] = {
     "lora_noisy": "LoRA (r=4), noisy",
     "hydralora_noisy": "HydraLoRA (3 B's), noisy",
     "lope_noisy": "LoPE (mask, K=all), noisy",
+    "lope_noisy_stage2_full": "LoPE (mask, K=all), noisy, stage II 1000 steps",
     "lope_nomask_noisy": "LoPE (no mask), noisy",
     "lope_k0_noisy": "LoPE (mask, K=0), noisy",
 }
 ACC = ("test/acc", *(f"test/acc_{f}" for f in FAMILIES))
 ROUTING = ("test/routing_nmi", "test/routing_expert_purity", "test/routing_experts_used", "test/routing_purity")
 NOISE = ("test/poison_share_clean", "test/poison_share_noisy", "test/poison_share_probe")
+#: LoPE's mechanism per run (lowrank_lit.methods.lope): B_D alone after stage I, accuracy unmasked and B_D alone
+MECHANISM = ("probe/bd_alone_acc", "test/acc_unmasked", "test/acc_bd_alone")
 
 
 def method_of(run_config: dict[str, Any]) -> str:
@@ -118,6 +121,15 @@ def summary(roots: list[str], out: str | None = None) -> str:
         text += "\n\nLoPE's poisoning expert B_D, routing share (unmasked) on the clean test split, its 5 % HyNoIse copy and "
         text += "its copy at the training corruption rate (8 %):\n\n"
         text += markdown_table(["method", "runs", "B_D share clean", "B_D share HyNoIse 5 %", "B_D share probe 8 %"], rows)
+    mechanism = {n: r for n, r in groups.items() if any("test/acc_unmasked" in m for m in r)}
+    if mechanism:
+        rows = [[LABELS.get(n, n), len(r), *(mean_std(_values(r, k), scale=100.0) for k in ("test/acc", *MECHANISM)),
+                 mean_std(_values(r, "train/poison_share"), ".3f")] for n, r in mechanism.items()]
+        text += "\n\nLoPE's mechanism per run: test accuracy as served (B_D masked unless the config keeps it), B_D alone "
+        text += "at the end of stage I, and at the end of training unmasked and B_D alone; B_D's routing share on the "
+        text += "last logged stage-II training batch:\n\n"
+        text += markdown_table(["method", "runs", "accuracy", "B_D alone after stage I", "unmasked", "B_D alone",
+                                "B_D share, end of stage II"], rows)
     if out:
         _plot(groups, out)
     return text

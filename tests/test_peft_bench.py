@@ -194,7 +194,7 @@ def test_the_benchmark_sweep_covers_every_config_and_every_table_row():
     from lowrank_lit.peft_bench import LABELS
 
     swept = []
-    for sweep in ("peft_bench", "peft_bench_ablations"):  # the paper rows, the beyond-paper row
+    for sweep in ("peft_bench", "peft_bench_lope_steps", "peft_bench_ablations"):  # paper rows, LoPE's steps, beyond paper
         spec = yaml.safe_load((ROOT / f"sweeps/{sweep}.yaml").read_text())
         swept += [p.rsplit("/", 1)[1][:-5] for p in spec["parameters"]["config"]["values"]]
         assert spec["parameters"]["seed_everything"]["values"] == [0, 1, 2]
@@ -236,4 +236,7 @@ def test_limited_benchmark_sweep_and_summary_end_to_end(tmp_path):
     assert "LoPE (mask, K=all), noisy" in body
     assert any(ln.startswith("| method | runs | NMI(domain, expert)") for ln in rows)
     assert any(ln.startswith("| method | runs | B_D share clean") for ln in rows)
+    # LoPE's mechanism: 7 steps never leave stage I, so "B_D alone after stage I" is empty and the rest is measured
+    mech = [ln for ln in rows if ln.startswith("| LoPE (mask, K=all), noisy |") and ln.count("|") == 8]
+    assert len(mech) == 1 and mech[0].split(" | ")[3] == "-" and mech[0].split(" | ")[4] != "-", mech
     assert out.stat().st_size > 10_000

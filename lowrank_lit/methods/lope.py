@@ -109,6 +109,12 @@ class LoPEStageCallback(Callback):
     ``test/poison_share_clean``, ``test/poison_share_noisy``, ``test/expert_mass_{clean,noisy}_<i>``; a probe copy
     (``TemplatedTextDataModule(probe_rate=...)``) adds ``test/poison_share_probe`` and ``test/expert_mass_probe_<i>``.
 
+    The mechanism, logged per run on a classifier (:class:`~lowrank_lit.models.text.PromptTunedClassifier`):
+    ``probe/bd_alone_acc`` (step ``stage1_steps``: the test accuracy of ``B_D`` alone, ``w_D = 1``, at the end of
+    stage I: how much of the task the poisoning expert learned), ``train/poison_share`` (B_D's routing share on
+    each logged stage-II training batch), and at test, beside ``test/acc`` (masked unless
+    ``mask_at_inference=False``), ``test/acc_unmasked`` (routing with ``B_D``) and ``test/acc_bd_alone``.
+
     Args:
         stage1_steps: steps of stage I. Default: 150 (the CPU experiment: 150 + 150).
         emb_alpha: HyNoIse embedding-noise bound in stage I. Default: 0.05 (paper).
@@ -161,7 +167,20 @@ class LoPEStageCallback(Callback):
         self.stage = stage
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        self.apply_stage(pl_module, 1 if trainer.global_step < self.stage1_steps else 2)
+        stage = 1 if trainer.global_step < self.stage1_steps else 2
+        if stage == 2 and self.stage == 1 and _is_classifier(pl_module):  # the switch: what stage I left in B_D
+            acc = _accuracy_in_mode(pl_module, trainer.datamodule.test_dataloader(), "poison_only")
+            if trainer.logger is not None:
+                trainer.logger.log_metrics({"probe/bd_alone_acc": acc}, step=trainer.global_step)
+        self.apply_stage(pl_module, stage)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.stage != 2 or not isinstance(batch, (tuple, list)) or trainer.global_step % trainer.log_every_n_steps:
+            return
+        poison = self._layers(pl_module)[0].poison_index
+        pl_module.log("train/poison_share", poison_share(pl_module, batch[0], batch[1])[poison].sum(), on_step=True,
+                      on_epoch=False)
 
     def _inference_mode(self, pl_module: pl.LightningModule) -> None:
         for m in self._layers(pl_module):
@@ -173,6 +192,7 @@ class LoPEStageCallback(Callback):
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._inference_mode(pl_module)
         self._mass = {"clean": [], "noisy": [], "probe": []}  # per batch: (routing mass * tokens (N,), tokens)
+        self._correct = {"unmasked": [], "bd_alone": []}  # per batch: (correct, examples)
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -189,6 +209,9 @@ class LoPEStageCallback(Callback):
         for kind, (ids, mask) in inputs.items():
             tokens = mask.sum().float()
             self._mass[kind].append((poison_share(pl_module, ids, mask) * tokens, tokens))
+        if _is_classifier(pl_module) and not isinstance(batch, dict):
+            for name, mode in (("unmasked", "route"), ("bd_alone", "poison_only")):
+                self._correct[name].append(_correct_in_mode(pl_module, batch, mode))
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         poison = self._layers(pl_module)[0].poison_index
@@ -201,6 +224,43 @@ class LoPEStageCallback(Callback):
             pl_module.log(f"test/poison_share_{kind}", mass[poison].sum())
             for i, v in enumerate(mass.tolist()):
                 pl_module.log(f"test/expert_mass_{kind}_{i}", v)
+        for name, rows in getattr(self, "_correct", {}).items():
+            if rows:
+                correct = trainer.strategy.reduce(torch.stack([c for c, _ in rows]).sum(), reduce_op="sum")
+                total = trainer.strategy.reduce(torch.stack([n for _, n in rows]).sum(), reduce_op="sum")
+                pl_module.log(f"test/acc_{name}", correct / total)
+
+
+def _is_classifier(pl_module: Any) -> bool:
+    """A :class:`~lowrank_lit.models.text.PromptTunedClassifier`-like module: ``forward(ids, mask) -> (logits, out)``."""
+    return hasattr(pl_module, "head") and getattr(pl_module, "lm", None) is None
+
+
+@torch.no_grad()
+def _correct_in_mode(pl_module: Any, batch: Any, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(correct, examples)`` of the classifier on the clean part of ``batch`` with every poison layer in ``mode``."""
+    layers = _poison_layers(pl_module)
+    modes = [m.mode for m in layers]
+    for m in layers:
+        m.set_mode(mode)
+    try:
+        logits, _ = pl_module(batch[0].to(pl_module.device), batch[1].to(pl_module.device))
+    finally:
+        for m, old in zip(layers, modes, strict=True):
+            m.set_mode(old)
+    y = batch[2].to(logits.device)
+    return (logits.argmax(-1) == y).sum().float(), torch.tensor(float(len(y)), device=logits.device)
+
+
+def _accuracy_in_mode(pl_module: Any, loader: Any, mode: str) -> float:
+    """Accuracy over ``loader`` with every poison layer in ``mode`` (eval mode inside, the module's mode restored)."""
+    was_training = pl_module.training
+    pl_module.eval()
+    try:
+        counts = [_correct_in_mode(pl_module, batch, mode) for batch in loader]
+    finally:
+        pl_module.train(was_training)
+    return float(sum(float(c) for c, _ in counts) / max(sum(float(n) for _, n in counts), 1.0))
 
 def _label(cfg: dict[str, Any]) -> str:
     """``LoRA``, ``HydraLoRA (3)``, ``LoPE (3+1, mask K=all)`` ... from a run's config."""

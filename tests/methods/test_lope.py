@@ -310,3 +310,25 @@ def test_stage_one_on_a_causal_lm_trains_A_and_B_D_on_clean_plus_noisy_copies(tm
     opt = model.configure_optimizers()["optimizer"]
     held = {id(p) for g in opt.param_groups for p in g["params"]}
     assert {id(p) for p in model.adapter_parameters()} <= held  # every adapter parameter from the start
+
+
+def test_the_mechanism_is_logged_per_run(tmp_path):
+    """B_D's accuracy alone at the end of stage I, its routing share on stage-II batches, and the test accuracy with
+    B_D masked, unmasked and alone, in one short run (2 + 2 steps); without the mask, test/acc is the unmasked one."""
+    from lowrank_lit.report import Run
+    from tests.helpers import CONFIGS, run_cli
+
+    short = ["--trainer.max_steps=4", "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0",
+             "--trainer.limit_test_batches=2", "--trainer.enable_progress_bar=false",
+             "--trainer.callbacks.init_args.stage1_steps=2"]
+    for name in ("lope", "lope_nomask"):
+        assert run_cli("fit", "--config", CONFIGS / "lope" / f"{name}.yaml", *short, "--run_id=m", run_root=tmp_path) == 0
+    got = {name: Run(str(tmp_path / "lope" / name / "m")) for name in ("lope", "lope_nomask")}
+    for run in got.values():
+        bd = [(int(r["step"]), float(r["probe/bd_alone_acc"])) for r in run.rows() if r.get("probe/bd_alone_acc")]
+        assert len(bd) == 1 and bd[0][0] == 2 and 0.0 <= bd[0][1] <= 1.0, bd  # logged once, at the switch
+        shares = run.history("train/poison_share")
+        assert len(shares) == 2 and all(0.0 < v < 1.0 for v in shares), shares  # the two stage-II steps only
+        for key in ("test/acc", "test/acc_unmasked", "test/acc_bd_alone"):
+            assert 0.0 <= run.metrics[key] <= 1.0, (key, run.metrics)
+    assert got["lope_nomask"].metrics["test/acc"] == got["lope_nomask"].metrics["test/acc_unmasked"]
