@@ -26,7 +26,7 @@ stage follows ``global_step``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -110,7 +110,7 @@ class LoPEStageCallback(Callback):
     (``TemplatedTextDataModule(probe_rate=...)``) adds ``test/poison_share_probe`` and ``test/expert_mass_probe_<i>``.
 
     The mechanism, logged per run on a classifier (:class:`~lowrank_lit.models.text.PromptTunedClassifier`):
-    ``probe/bd_alone_acc`` (step ``stage1_steps``: the test accuracy of ``B_D`` alone, ``w_D = 1``, at the end of
+    ``probe/bd_alone_acc`` (step ``stage1_steps``: the test accuracy of ``B_D`` alone at its stage-I weight, at the end of
     stage I: how much of the task the poisoning expert learned), ``train/poison_share`` (B_D's routing share on
     each logged stage-II training batch), and at test, beside ``test/acc`` (masked unless
     ``mask_at_inference=False``), ``test/acc_unmasked`` (routing with ``B_D``) and ``test/acc_bd_alone``.
@@ -122,10 +122,18 @@ class LoPEStageCallback(Callback):
         compensate_k: K of DyCompEnSate; None: every normal expert; 0: plain masking. Default: None.
         compensate_beta: beta of DyCompEnSate. Default: 1.0.
         allow_skip_stage1: accept ``stage1_steps=0`` (stage II with an untrained poisoning expert). Default: False.
+        stage1_inputs: ``original_and_noisy`` (the paper: the originals and their HyNoIse copies) or ``noisy_only``
+            (ours: the copies alone). Default: original_and_noisy.
+        stage1_labels: ``true`` (the paper) or ``shuffled`` (ours: the copies' labels permuted within the batch, so
+            ``B_D`` can fit the noise but not the task; classifiers only). Default: true.
+        stage1_poison_weight: ``w_D`` in stage I, in (0, 1] (the paper: 1; below 1, ours: ``B_D`` trains at part
+            weight). Default: 1.0.
     """
 
     def __init__(self, stage1_steps: int = 150, emb_alpha: float = 0.05, mask_at_inference: bool = True,
-                 compensate_k: int | None = None, compensate_beta: float = 1.0, allow_skip_stage1: bool = False) -> None:
+                 compensate_k: int | None = None, compensate_beta: float = 1.0, allow_skip_stage1: bool = False,
+                 stage1_inputs: Literal["original_and_noisy", "noisy_only"] = "original_and_noisy",
+                 stage1_labels: Literal["true", "shuffled"] = "true", stage1_poison_weight: float = 1.0) -> None:
         if stage1_steps < 0 or (stage1_steps == 0 and not allow_skip_stage1):
             raise ValueError(f"LoPEStageCallback: stage1_steps={stage1_steps}; allowed: an integer >= 1 (stage II needs the "
                              "poisoning expert trained in stage I; allow_skip_stage1=true runs stage II alone)")
@@ -135,6 +143,13 @@ class LoPEStageCallback(Callback):
             raise ValueError(f"LoPEStageCallback: compensate_k={compensate_k}; allowed: an integer >= 0 or null")
         if compensate_beta <= 0:
             raise ValueError(f"LoPEStageCallback: compensate_beta={compensate_beta}; allowed: a float > 0")
+        if stage1_inputs not in ("original_and_noisy", "noisy_only"):
+            raise ValueError(f"LoPEStageCallback: stage1_inputs={stage1_inputs!r}; allowed: original_and_noisy, noisy_only")
+        if stage1_labels not in ("true", "shuffled"):
+            raise ValueError(f"LoPEStageCallback: stage1_labels={stage1_labels!r}; allowed: true, shuffled")
+        if not 0 < stage1_poison_weight <= 1:
+            raise ValueError(f"LoPEStageCallback: stage1_poison_weight={stage1_poison_weight}; allowed: a float in (0, 1]")
+        self.stage1_inputs, self.stage1_labels, self.stage1_poison_weight = stage1_inputs, stage1_labels, stage1_poison_weight
         self.stage1_steps, self.noise = stage1_steps, HyNoIse(emb_alpha)
         self.mask_at_inference, self.compensate_k, self.compensate_beta = mask_at_inference, compensate_k, compensate_beta
         self.stage: int | None = None
@@ -148,6 +163,10 @@ class LoPEStageCallback(Callback):
         return layers
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if (self.stage1_inputs, self.stage1_labels) != ("original_and_noisy", "true") and not _is_classifier(pl_module):
+            raise ValueError(f"LoPEStageCallback: stage1_inputs={self.stage1_inputs!r}, stage1_labels="
+                             f"{self.stage1_labels!r} work on a PromptTunedClassifier only; allowed on "
+                             f"{type(pl_module).__name__}: original_and_noisy, true")
         for m in self._layers(pl_module):
             k = m.n_experts if self.compensate_k is None else self.compensate_k
             if k > m.n_experts:
@@ -158,12 +177,15 @@ class LoPEStageCallback(Callback):
         """Set modes, trainable parameters, embedding noise and noisy-copy training for ``stage`` (1 or 2)."""
         for m in self._layers(pl_module):
             m.set_mode("poison_only" if stage == 1 else "route")
+            m.poison_weight = self.stage1_poison_weight
             m.lora_A.requires_grad_(True)
             for i, b in enumerate(m.lora_B):
                 b.requires_grad_((i in m.poison_index) == (stage == 1))
             m.lora_router.requires_grad_(stage == 2)
         pl_module.embed_noise = self.noise if stage == 1 else None
         pl_module.train_on_noisy_copies = stage == 1
+        pl_module.noisy_copies_only = stage == 1 and self.stage1_inputs == "noisy_only"
+        pl_module.shuffle_noisy_labels = stage == 1 and self.stage1_labels == "shuffled"
         self.stage = stage
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

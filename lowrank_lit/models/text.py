@@ -476,6 +476,10 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
     embed_noise: Any = None
     #: train on the batch's noisy copies too (``(noisy_ids, noisy_mask)`` after the domain; LoPE's stage I).
     train_on_noisy_copies: bool = False
+    #: with ``train_on_noisy_copies``: drop the originals, train on the noisy copies alone.
+    noisy_copies_only: bool = False
+    #: with ``train_on_noisy_copies``: the noisy copies' labels permuted within the batch (seeded by the step).
+    shuffle_noisy_labels: bool = False
 
     def __init__(
         self,
@@ -588,7 +592,14 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
             if len(batch) < 6:
                 raise ValueError("PromptTunedClassifier: train_on_noisy_copies needs batches with noisy copies "
                                  "(TemplatedTextDataModule(noisy_copy_rate=...))")
-            input_ids, mask, y = torch.cat([input_ids, batch[4]]), torch.cat([mask, batch[5]]), torch.cat([y, y])
+            y_noisy = y
+            if self.shuffle_noisy_labels:
+                order = torch.randperm(len(y), generator=torch.Generator().manual_seed(int(self.global_step)))
+                y_noisy = y[order.to(y.device)]
+            if self.noisy_copies_only:
+                input_ids, mask, y = batch[4], batch[5], y_noisy
+            else:
+                input_ids, mask, y = torch.cat([input_ids, batch[4]]), torch.cat([mask, batch[5]]), torch.cat([y, y_noisy])
         logits, _ = self(input_ids, mask)
         loss = F.cross_entropy(logits, y)
         aux = None if self.prompt is None else self.prompt.aux_loss

@@ -111,7 +111,8 @@ class AsymmetricLoRALinear(nn.Module):
     are poison experts. ``mode``:
 
     * ``route`` -- every expert, router weights (training; LoPE's stage II keeps B_D in the forward pass);
-    * ``poison_only`` -- only the poison experts, weight 1 each (shared among them), no router (LoPE stage I);
+    * ``poison_only`` -- only the poison experts, weight ``poison_weight`` (1: LoPE's stage I) shared among them, no
+      router;
     * ``mask`` -- inference: poison experts masked, their weight handed to the ``compensate_k`` normal experts
       most similar to them, scaled by ``compensate_beta`` (:func:`dycompensate`; ``compensate_k=0`` is plain
       masking).
@@ -153,6 +154,7 @@ class AsymmetricLoRALinear(nn.Module):
         self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(base.out_features, r)) for _ in range(total)])
         self.lora_router = nn.Linear(r if router_in == "lowrank" else base.in_features, total, bias=False)
         self.mode = "route"
+        self.poison_weight = 1.0  # the poison experts' total weight in ``poison_only`` mode
         self.last_weights: torch.Tensor | None = None
 
     @property
@@ -180,7 +182,7 @@ class AsymmetricLoRALinear(nn.Module):
         experts = torch.einsum("...r,nor->...no", u, torch.stack(list(self.lora_B)))  # (..., N, d_out)
         if self.mode == "poison_only":
             w = u.new_zeros(*u.shape[:-1], self.n_experts + self.n_poison)
-            w[..., self.poison_index] = 1.0 / self.n_poison
+            w[..., self.poison_index] = self.poison_weight / self.n_poison
         else:
             w = self.routing(x, u)
             if self.mode == "mask":

@@ -332,3 +332,53 @@ def test_the_mechanism_is_logged_per_run(tmp_path):
         for key in ("test/acc", "test/acc_unmasked", "test/acc_bd_alone"):
             assert 0.0 <= run.metrics[key] <= 1.0, (key, run.metrics)
     assert got["lope_nomask"].metrics["test/acc"] == got["lope_nomask"].metrics["test/acc_unmasked"]
+
+
+# ------------------------------------------------------------------------------------ stage-I forms (ours)
+def test_stage_one_forms_change_what_the_loss_sees(monkeypatch):
+    """The paper's stage I trains on originals and their noisy copies with true labels; ``noisy_only`` drops the
+    originals, ``shuffled`` permutes the copies' labels within the batch (seeded by the step)."""
+    import torch.nn.functional as F
+
+    model = _model()
+    ids, mask = text_batch()
+    nids, nmask = ids.flip(1), mask  # stand-in noisy copies: any other token ids
+    y = torch.tensor([0, 1, 1])
+    batch = (ids, mask, y, torch.zeros(3, dtype=torch.long), nids, nmask)
+    seen = []
+    monkeypatch.setattr(model, "log", lambda *a, **k: None)
+    monkeypatch.setattr(F, "cross_entropy", lambda logits, target: seen.append((logits.shape[0], target.clone())) or
+                        logits.sum() * 0)
+    model.train_on_noisy_copies = True
+    for only, shuffle in ((False, False), (True, False), (False, True)):
+        model.noisy_copies_only, model.shuffle_noisy_labels = only, shuffle
+        model.training_step(batch, 0)
+    (n0, t0), (n1, t1), (n2, t2) = seen
+    assert n0 == 6 and torch.equal(t0, torch.cat([y, y]))
+    assert n1 == 3 and torch.equal(t1, y)
+    perm = torch.randperm(3, generator=torch.Generator().manual_seed(0))
+    assert n2 == 6 and torch.equal(t2, torch.cat([y, y[perm]]))
+
+
+def test_stage_one_poison_weight_scales_B_D():
+    lin = torch.nn.Linear(6, 5)
+    layer = AsymmetricLoRALinear(lin, r=2, n_experts=2, n_poison=1)
+    with torch.no_grad():
+        for b in layer.lora_B:
+            b.normal_()
+    x = torch.randn(4, 6)
+    layer.set_mode("poison_only")
+    full = layer(x) - lin(x)
+    layer.poison_weight = 0.25
+    torch.testing.assert_close(layer(x) - lin(x), 0.25 * full)
+    torch.testing.assert_close(full, layer.scaling * (x @ layer.lora_A.T) @ layer.lora_B[2].T)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"stage1_inputs": "clean"}, "stage1_inputs='clean'; allowed: original_and_noisy, noisy_only"),
+    ({"stage1_labels": "random"}, "stage1_labels='random'; allowed: true, shuffled"),
+    ({"stage1_poison_weight": 0.0}, r"stage1_poison_weight=0.0; allowed: a float in \(0, 1\]"),
+])
+def test_stage_one_forms_refuse_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LoPEStageCallback(**kwargs)
