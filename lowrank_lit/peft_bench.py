@@ -46,9 +46,9 @@ LABELS: dict[str, str] = {
     "hydralora_noisy": "HydraLoRA (3 B's), noisy",
     "lope_noisy": "LoPE (mask, K=all), noisy",
     "lope_noisy_stage2_full": "LoPE (mask, K=all), noisy, stage II 1000 steps",
-    "lope_noisy_noisyonly": "LoPE, stage I on noisy copies only [ours], noisy",
-    "lope_noisy_shuffled": "LoPE, stage I labels shuffled [ours], noisy",
-    "lope_noisy_halfweight": "LoPE, B_D at half weight in stage I [ours], noisy",
+    "lope_noisy_noisyonly": "LoPE, stage I on noisy copies only, noisy [beyond paper]",
+    "lope_noisy_shuffled": "LoPE, stage I labels shuffled, noisy [beyond paper]",
+    "lope_noisy_halfweight": "LoPE, B_D at half weight in stage I, noisy [beyond paper]",
     "lope_nomask_noisy": "LoPE (no mask), noisy",
     "lope_k0_noisy": "LoPE (mask, K=0), noisy",
 }
