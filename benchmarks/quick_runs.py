@@ -12,11 +12,12 @@ the range the number took under ``ATEN_CPU_CAPABILITY=default``, ``avx2`` and th
 runs under its ``runs/``), as a user would from a clone; the table gives the kernel setting, the thread count, the
 wall time and the last value of KEY the output printed, beside the page's value and band.
 
-To measure the band again, run the script under each setting and take the range of the printed values::
+To measure the band again, run the script under each setting, then tabulate the range of the printed values::
 
     for k in default avx2; do for t in 1 2; do
       ATEN_CPU_CAPABILITY=$k OMP_NUM_THREADS=$t python benchmarks/quick_runs.py --measure > quick_${k}_$t.md
     done; done
+    python benchmarks/quick_runs.py --bands quick_*.md
 """
 
 from __future__ import annotations
@@ -125,13 +126,47 @@ def execute(run: QuickRun, folder: Path) -> tuple[float, float | None, int, str]
     return time.perf_counter() - start, printed_value(log, run.key), rc, log
 
 
+def read_measured(path: Path) -> tuple[str, dict[str, float]]:
+    """The setting line and ``slug -> printed value`` of one output of this script."""
+    text = path.read_text()
+    setting = re.search(r"CPU kernels and threads: (.+)", text)
+    if setting is None:
+        raise ValueError(f"{path}: not an output of benchmarks/quick_runs.py (no 'CPU kernels and threads' line)")
+    values = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0] not in ("method", "---") and cells[5] not in ("-", "printed"):
+            values[cells[0]] = float(cells[5])
+    return setting.group(1), values
+
+
+def bands_table(paths: list[Path]) -> str:
+    """One row per page: each setting's printed value and their range (the band a page prints)."""
+    measured = [read_measured(p) for p in paths]
+    runs = {p.stem: quick_run(p, require_band=False) for p in sorted(PAGES.glob("*.md"))}
+    header = "| method | key | " + " | ".join(s for s, _ in measured) + " | band |"
+    lines = [header, "|" + "---|" * (3 + len(measured))]
+    for slug, run in runs.items():
+        got = [v.get(slug) for _, v in measured]
+        seen = [g for g in got if g is not None]
+        band = f"{min(seen):.{run.decimals}f}-{max(seen):.{run.decimals}f}" if seen else "-"
+        lines.append(f"| {slug} | `{run.key}` | " + " | ".join("-" if g is None else f"{g:.{run.decimals}f}" for g in got)
+                     + f" | {band} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("slugs", nargs="*", help="method pages to run (default: all)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a printed value falls outside its page's band")
     parser.add_argument("--measure", action="store_true",
                         help="only print the values (to measure a band): a page need not state one yet")
+    parser.add_argument("--bands", nargs="+", type=Path, metavar="OUTPUT",
+                        help="tabulate the printed values of these outputs of the script (one per setting) and their range")
     args = parser.parse_args()
+    if args.bands:
+        print(bands_table(args.bands))
+        return 0
     if args.check and args.measure:
         parser.error("--check and --measure exclude each other")
     pages = [PAGES / f"{s}.md" for s in args.slugs] or sorted(PAGES.glob("*.md"))

@@ -200,6 +200,24 @@ def test_quick_run_parser_refuses_a_page_without_one(tmp_path):
     assert (run.low, run.high) == (0.0, 0.0) and quick.agrees(run, 0.4) and not quick.agrees(run, 1.0)
 
 
+def test_quick_run_bands_tabulate_each_setting_and_the_range(tmp_path):
+    quick = _quick_runs()
+    outputs = []
+    for setting, value in (("default (DEFAULT), 1 thread(s)", 0.9533), ("avx2 (AVX2), 2 thread(s)", 0.9711)):
+        path = tmp_path / f"{len(outputs)}.md"
+        path.write_text(f"CPU kernels and threads: {setting}\n\n| method | command | page: time | wall time (s) | "
+                        "page: value (band) | printed | in the band |\n|---|---|---|---|---|---|---|\n"
+                        f"| glvq | `lowrank ...` | 27 s | 60 | test/acc 0.9622 (0.9533-0.9711) | {value} | yes |\n")
+        outputs.append(path)
+    table = quick.bands_table(outputs)
+    (row,) = [ln for ln in table.splitlines() if ln.startswith("| glvq |")]
+    assert row == "| glvq | `test/acc` | 0.9533 | 0.9711 | 0.9533-0.9711 |"
+    assert "| default (DEFAULT), 1 thread(s) | avx2 (AVX2), 2 thread(s) | band |" in table
+    (tmp_path / "bad.md").write_text("| method |\n")
+    with pytest.raises(ValueError, match="not an output of benchmarks/quick_runs.py"):
+        quick.bands_table([tmp_path / "bad.md"])
+
+
 @pytest.mark.slow
 def test_every_quick_run_prints_what_its_page_says(tmp_path):
     """Runs the 19 quick runs (about 40 min on 2 cores) and checks each printed number lies in its page's band."""
