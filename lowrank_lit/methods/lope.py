@@ -26,6 +26,8 @@ stage follows ``global_step``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -111,7 +113,7 @@ class LoPEStageCallback(Callback):
 
     The mechanism, logged per run on a classifier (:class:`~lowrank_lit.models.text.PromptTunedClassifier`):
     ``probe/bd_alone_acc`` (step ``stage1_steps``: the test accuracy of ``B_D`` alone at its stage-I weight, at the end of
-    stage I: how much of the task the poisoning expert learned), ``train/poison_share`` (B_D's routing share on
+    stage I: how much of the task the poisoning expert learned), ``train/poison_share`` (B_D's routing share, measured in eval mode, on
     each logged stage-II training batch), and at test, beside ``test/acc`` (masked unless
     ``mask_at_inference=False``), ``test/acc_unmasked`` (routing with ``B_D``) and ``test/acc_bd_alone``.
 
@@ -191,7 +193,8 @@ class LoPEStageCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         stage = 1 if trainer.global_step < self.stage1_steps else 2
         if stage == 2 and self.stage == 1 and _is_classifier(pl_module):  # the switch: what stage I left in B_D
-            acc = _accuracy_in_mode(pl_module, trainer.datamodule.test_dataloader(), "poison_only")
+            with _untouched(pl_module):
+                acc = _accuracy_in_mode(pl_module, trainer.datamodule.test_dataloader(), "poison_only")
             if trainer.logger is not None:
                 trainer.logger.log_metrics({"probe/bd_alone_acc": acc}, step=trainer.global_step)
         self.apply_stage(pl_module, stage)
@@ -201,8 +204,9 @@ class LoPEStageCallback(Callback):
         if self.stage != 2 or not isinstance(batch, (tuple, list)) or trainer.global_step % trainer.log_every_n_steps:
             return
         poison = self._layers(pl_module)[0].poison_index
-        pl_module.log("train/poison_share", poison_share(pl_module, batch[0], batch[1])[poison].sum(), on_step=True,
-                      on_epoch=False)
+        with _untouched(pl_module):  # a measurement: no dropout draw, so the training run is the one without it
+            share = poison_share(pl_module, batch[0], batch[1])[poison].sum()
+        pl_module.log("train/poison_share", share, on_step=True, on_epoch=False)
 
     def _inference_mode(self, pl_module: pl.LightningModule) -> None:
         for m in self._layers(pl_module):
@@ -251,6 +255,19 @@ class LoPEStageCallback(Callback):
                 correct = trainer.strategy.reduce(torch.stack([c for c, _ in rows]).sum(), reduce_op="sum")
                 total = trainer.strategy.reduce(torch.stack([n for _, n in rows]).sum(), reduce_op="sum")
                 pl_module.log(f"test/acc_{name}", correct / total)
+
+
+@contextlib.contextmanager
+def _untouched(pl_module: Any) -> Iterator[None]:
+    """Eval mode and a forked torch RNG for a measurement inside training: no dropout, no random draw consumed, the
+    module's mode restored."""
+    was_training = pl_module.training
+    with torch.random.fork_rng(devices=[]):
+        pl_module.eval()
+        try:
+            yield
+        finally:
+            pl_module.train(was_training)
 
 
 def _is_classifier(pl_module: Any) -> bool:

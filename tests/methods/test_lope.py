@@ -382,3 +382,24 @@ def test_stage_one_poison_weight_scales_B_D():
 def test_stage_one_forms_refuse_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LoPEStageCallback(**kwargs)
+
+
+def test_logging_the_mechanism_leaves_the_training_run_unchanged(monkeypatch):
+    """The stage-II share and the B_D-alone accuracy are measurements: a run that takes them (every step) ends with
+    the same weights, bit for bit, as one that takes none (no draw from the training RNG: iterating the test loader
+    for the accuracy would otherwise draw its worker seed)."""
+    from lightning.pytorch import seed_everything
+
+    import lowrank_lit.methods.lope as lope
+
+    weights = []
+    for measure in (True, False):
+        if not measure:  # no accuracy at the switch, no share (never a multiple of 50 steps)
+            monkeypatch.setattr(lope, "_accuracy_in_mode", lambda *a, **k: 0.0)
+        seed_everything(0)
+        model, data = _model(), _data()
+        quiet_trainer(max_steps=4, limit_val_batches=0, log_every_n_steps=1 if measure else 50,
+                      callbacks=[LoPEStageCallback(stage1_steps=2)]).fit(model, data)
+        weights.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad or "lora_" in n})
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
