@@ -373,9 +373,10 @@ def test_must_show_recurring_corruptions(tmp_path):
     the reservoir holds exactly 7 models on >= 3 of 4 seeds and never more than 9; purity >= 0.95 on
     every seed; Tent + Reservoir's mean error over recurrences 3-6 is >= 8 points below Tent's on the
     mean over the seeds and not above Tent's on any seed; EATA + Reservoir <= EATA + 1 point and no
-    re-entry spike (seed 0). The gap judged by the verdict rule: both a tie. Measured 13.7 / 8.5 / 11.5 / 1.1 points
-    (native kernels; 13.6 / 8.6 / 11.5 / 1.6 on an earlier run): below Tent, +8.7 points, 95 % interval [-0.0, +17.5],
-    its lower end at 0; by 8 points or more, the interval contains +8. Seed 3's source model starts near chance."""
+    re-entry spike (seed 0). The gap judged by the verdict rule: both a tie. Below Tent the CPU kernels disagree:
+    native (AVX2, 2 threads) 13.7 / 8.5 / 11.5 / 1.1 points, +8.7, 95 % interval [-0.0, +17.5]: a tie; the default
+    kernels at 1 thread 11.0 / 8.5 / 12.5 / 1.8, +8.5, [+1.0, +15.9]: holds. So the page states a tie and the test
+    accepts either. By 8 points or more: a tie on both. Seed 3's source model starts near chance."""
     from lowrank_lit.stats import expect_verdict
     from tests.helpers import CONFIGS, run_cli
 
@@ -400,7 +401,7 @@ def test_must_show_recurring_corruptions(tmp_path):
             assert _spike(eata_res.rows) <= 0.02, (report, _spike(eata_res.rows), _spike(eata.rows))
             assert not math.isnan(_spike(eata.rows))
     assert sum(m == 7 for m in models) >= 3 and max(models) <= 9, (models, report)
-    expect_verdict("tie", gaps, claim="Tent + Reservoir below Tent over recurrences 3-6")
+    expect_verdict(("tie", "holds"), gaps, claim="Tent + Reservoir below Tent over recurrences 3-6")
     expect_verdict("tie", gaps, margin=0.08, claim="Tent + Reservoir >= 8 points below Tent over recurrences 3-6")
 
 
