@@ -77,23 +77,30 @@ def _poison_layers(module: torch.nn.Module) -> list[AsymmetricLoRALinear]:
     return [m for m in module.modules() if isinstance(m, AsymmetricLoRALinear) and m.n_poison > 0]
 
 
-@torch.no_grad()
-def poison_share(pl_module: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean routing weight of every expert over real tokens and adapted layers, routing unmasked -> ``(N,)``."""
+@contextlib.contextmanager
+def _poison_layers_in_mode(pl_module: Any, mode: str) -> Iterator[list[AsymmetricLoRALinear]]:
+    """Every poison layer of ``pl_module`` in ``mode`` inside the block, each back in its own mode after it."""
     layers = _poison_layers(pl_module)
     modes = [m.mode for m in layers]
     for m in layers:
-        m.set_mode("route")
+        m.set_mode(mode)
     try:
+        yield layers
+    finally:
+        for m, old in zip(layers, modes, strict=True):
+            m.set_mode(old)
+
+
+@torch.no_grad()
+def poison_share(pl_module: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean routing weight of every expert over real tokens and adapted layers, routing unmasked -> ``(N,)``."""
+    with _poison_layers_in_mode(pl_module, "route") as layers:
         lm = getattr(pl_module, "lm", None)  # PromptTunedLM: its prompted backbone takes (ids, mask)
         (lm if isinstance(lm, torch.nn.Module) else pl_module)(input_ids, mask)
         per_layer = []
         for m in layers:
             w = m.last_weights[:, -mask.shape[1]:]  # (b, s, N): real positions
             per_layer.append((w * mask.unsqueeze(-1)).sum((0, 1)) / mask.sum())
-    finally:
-        for m, mode in zip(layers, modes, strict=True):
-            m.set_mode(mode)
     return torch.stack(per_layer).mean(0)
 
 
@@ -156,6 +163,7 @@ class LoPEStageCallback(Callback):
         self.mask_at_inference, self.compensate_k, self.compensate_beta = mask_at_inference, compensate_k, compensate_beta
         self.stage: int | None = None
         self._mass: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._correct: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _layers(self, pl_module: pl.LightningModule) -> list[AsymmetricLoRALinear]:
         layers = _poison_layers(pl_module)
@@ -250,7 +258,7 @@ class LoPEStageCallback(Callback):
             pl_module.log(f"test/poison_share_{kind}", mass[poison].sum())
             for i, v in enumerate(mass.tolist()):
                 pl_module.log(f"test/expert_mass_{kind}_{i}", v)
-        for name, rows in getattr(self, "_correct", {}).items():
+        for name, rows in self._correct.items():
             if rows:
                 correct = trainer.strategy.reduce(torch.stack([c for c, _ in rows]).sum(), reduce_op="sum")
                 total = trainer.strategy.reduce(torch.stack([n for _, n in rows]).sum(), reduce_op="sum")
@@ -278,27 +286,15 @@ def _is_classifier(pl_module: Any) -> bool:
 @torch.no_grad()
 def _correct_in_mode(pl_module: Any, batch: Any, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(correct, examples)`` of the classifier on the clean part of ``batch`` with every poison layer in ``mode``."""
-    layers = _poison_layers(pl_module)
-    modes = [m.mode for m in layers]
-    for m in layers:
-        m.set_mode(mode)
-    try:
+    with _poison_layers_in_mode(pl_module, mode):
         logits, _ = pl_module(batch[0].to(pl_module.device), batch[1].to(pl_module.device))
-    finally:
-        for m, old in zip(layers, modes, strict=True):
-            m.set_mode(old)
     y = batch[2].to(logits.device)
     return (logits.argmax(-1) == y).sum().float(), torch.tensor(float(len(y)), device=logits.device)
 
 
 def _accuracy_in_mode(pl_module: Any, loader: Any, mode: str) -> float:
-    """Accuracy over ``loader`` with every poison layer in ``mode`` (eval mode inside, the module's mode restored)."""
-    was_training = pl_module.training
-    pl_module.eval()
-    try:
-        counts = [_correct_in_mode(pl_module, batch, mode) for batch in loader]
-    finally:
-        pl_module.train(was_training)
+    """Accuracy over ``loader`` with every poison layer in ``mode`` (the caller sets eval mode: :func:`_untouched`)."""
+    counts = [_correct_in_mode(pl_module, batch, mode) for batch in loader]
     return float(sum(float(c) for c, _ in counts) / max(sum(float(n) for _, n in counts), 1.0))
 
 def _label(cfg: dict[str, Any]) -> str:
