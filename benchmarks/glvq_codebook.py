@@ -55,6 +55,8 @@ def _cli(*args: str, cwd: Path) -> None:
 
 
 def digits_runs(seeds: list[int], bits: int, tmp: Path) -> dict[tuple[str, str, int], tuple[list[float], float]]:
+    from lowrank_lit.report import last_values
+
     out = {}
     for seed in seeds:
         _cli("fit", "--config", "configs/glvq/mlp_digits_fp.yaml", f"--seed_everything={seed}", "--run_id", f"fp{seed}",
@@ -69,14 +71,14 @@ def digits_runs(seeds: list[int], bits: int, tmp: Path) -> dict[tuple[str, str, 
                 run = tmp / "runs" / "glvq" / f"mlp_digits_{bits}bit" / rid
                 with open(run / "quantization.csv") as f:
                     errs = [float(r["rel_error"]) for r in csv.DictReader(f)]
-                with open(run / "metrics.csv") as f:
-                    acc = [float(r["test/acc"]) for r in csv.DictReader(f) if r.get("test/acc")][-1]
+                acc = last_values(run / "metrics.csv", ["test/acc"])["test/acc"]
                 out[(method, cb, seed)] = (errs, acc)
                 print(f"seed {seed} {method} {cb}: errors {errs}, acc {acc:.4f}", file=sys.stderr, flush=True)
     return out
 
 
 def digits_table(res: dict[tuple[str, str, int], tuple[list[float], float]], seeds: list[int]) -> list[str]:
+    from lowrank_lit.report import mean_std
     from lowrank_lit.stats import verdict
 
     rows = ["| method | codebook | layer 1 error | layer 2 error | test accuracy, seeds " + " / ".join(map(str, seeds))
@@ -86,9 +88,8 @@ def digits_table(res: dict[tuple[str, str, int], tuple[list[float], float]], see
             runs = [res[(method, cb, s)] for s in seeds]
             e1, e2 = (statistics.fmean(r[0][i] for r in runs) for i in (0, 1))
             accs = [r[1] for r in runs]
-            spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
             rows.append(f"| {method} | {cb} | {e1:.4f} | {e2:.4f} | {' / '.join(f'{a:.4f}' for a in accs)} | "
-                        f"{statistics.fmean(accs):.4f} ± {spread:.4f} |")
+                        f"{mean_std(accs, '.4f')} |")
     if len(seeds) > 1:
         for method in ("glvq", "scalar"):
             v = verdict([res[(method, "symmetric", s)][1] for s in seeds], [res[(method, "integer", s)][1] for s in seeds])
