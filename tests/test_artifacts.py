@@ -19,6 +19,7 @@ from lowrank_lit.artifacts import (
     tensor_digest,
 )
 from tests.helpers import run_cli, text_batch
+from tests.tolerances import F32
 
 #: exports, merges and loads compared as floats: CI runs these under ATEN_CPU_CAPABILITY=default and avx2 too (.ci/run)
 pytestmark = pytest.mark.floats
@@ -126,7 +127,7 @@ def test_lora_native_artifact_is_small_and_loads_onto_a_fresh_base(lora_run, cap
     loaded = load_run_artifact(out).eval()
     ids, mask = text_batch()
     with torch.no_grad():
-        assert torch.allclose(loaded(ids, mask)[0], ours(ids, mask)[0], atol=1e-6)
+        assert torch.allclose(loaded(ids, mask)[0], ours(ids, mask)[0], atol=F32)
     # a second export never overwrites the first
     assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", out) == 2
     assert "an export never overwrites files" in capsys.readouterr().err
@@ -150,7 +151,7 @@ def test_lora_peft_export_loads_in_peft_with_our_outputs(lora_run):
         got = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
     assert got.abs().max() > 0.1 and (got - want).abs().max() <= 1e-6
     assert not torch.allclose(want, load_backbone(num_layers=2)[0](input_ids=ids, attention_mask=mask).last_hidden_state,
-                              atol=1e-6)  # the adapter changed something, so the equality above is not vacuous
+                              atol=F32)  # the adapter changed something, so the equality above is not vacuous
 
 
 def _docs_block(marker: str) -> str:
@@ -367,7 +368,7 @@ def test_soft_prompt_peft_export_loads_as_peft_prompt_tuning(tmp_path, capsys):
     with torch.no_grad():
         got = theirs(input_ids=ids, attention_mask=mask).last_hidden_state[:, m:]  # peft puts the T tokens first
         want = ours.encoder(ids, mask).hidden
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, want, atol=F32, rtol=0)
     # a capsule prompt has no peft type: refused with the reason, nothing written
     assert run_cli("fit", "--config", "configs/capt/templated_capt.yaml", "--trainer.max_steps=1",
                    "--test_after_fit=false", "--trainer.limit_val_batches=0", "--run_id", "c",

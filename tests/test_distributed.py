@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import MLP_CONFIG, ROOT, run_cli
+from tests.tolerances import F32
 
 SMALL = ["--trainer.limit_train_batches=4", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
          "--trainer.enable_model_summary=false", "--test_after_fit=false"]
@@ -191,7 +192,7 @@ def test_ddp_step_equals_single_process_step(tmp_path, devices):
     a, b = ckpt_a["state_dict"], ckpt_b["state_dict"]
     assert set(a) == set(b)
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0)
+        torch.testing.assert_close(a[k], b[k], atol=F32, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------- DDP stops

@@ -13,6 +13,7 @@ from lowrank_lit.nn.lora import (
     inject_adapters,
     mark_only_adapters_trainable,
 )
+from tests.tolerances import F32, F32_LAYERS
 
 #: our LoRA against peft's, compared as floats: CI runs these under ATEN_CPU_CAPABILITY=default and avx2 too (.ci/run)
 pytestmark = pytest.mark.floats
@@ -34,9 +35,9 @@ def test_lora_is_identity_at_init_and_merges_exactly():
     out = lora(x)
     torch.testing.assert_close(out, ref + 2.0 * x @ lora.lora_A.T @ lora.lora_B.T)
     lora.merge()
-    torch.testing.assert_close(lora(x), out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lora(x), out, atol=F32_LAYERS, rtol=F32_LAYERS)
     lora.unmerge()
-    torch.testing.assert_close(lora.base.weight, _linear().weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lora.base.weight, _linear().weight, atol=F32, rtol=0)
 
 
 def test_lora_matches_peft_on_bert_query_value():
@@ -59,7 +60,7 @@ def test_lora_matches_peft_on_bert_query_value():
             theirs.lora_B["default"].weight.copy_(mine.lora_B)
     ref.eval()
     torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).last_hidden_state,
-                               ref(input_ids=ids, attention_mask=mask).last_hidden_state, atol=1e-5, rtol=0)
+                               ref(input_ids=ids, attention_mask=mask).last_hidden_state, atol=F32_LAYERS, rtol=0)
 
 
 def test_asymmetric_with_one_expert_and_no_poison_is_plain_lora():
@@ -70,7 +71,7 @@ def test_asymmetric_with_one_expert_and_no_poison_is_plain_lora():
         asym.lora_B[0].normal_()
         lora.lora_A.copy_(asym.lora_A)
         lora.lora_B.copy_(asym.lora_B[0])
-    torch.testing.assert_close(asym(x), lora(x), atol=1e-6, rtol=0)
+    torch.testing.assert_close(asym(x), lora(x), atol=F32, rtol=0)
 
 
 def test_asymmetric_identity_at_init_and_router_weights_are_a_distribution():
@@ -91,7 +92,7 @@ def test_poison_only_mode_uses_only_the_poison_expert():
     x = torch.randn(4, 16)
     layer.set_mode("poison_only")
     expected = layer.base(x) + layer.scaling * x @ layer.lora_A.T @ layer.lora_B[3].T
-    torch.testing.assert_close(layer(x), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(layer(x), expected, atol=F32, rtol=0)
     with pytest.raises(ValueError, match="mode='stage3'"):
         layer.set_mode("stage3")
 

@@ -124,3 +124,45 @@ def test_every_must_show_test_judges_its_claim_by_the_rule_or_says_why_not():
         elif reason is not None and (judged or not reason.strip() or "\n" in reason):
             problems.append(f"{name}: a no_verdict reason must be one non-empty line, on a test that calls no verdict")
     assert not problems, "\n".join(problems)
+
+
+TOLERANCE_KEYWORDS = {"atol", "rtol", "abs", "rel"}
+
+
+def untraced_tolerances(source: str, name: str = "<test>") -> list[str]:
+    """``name:line`` of every tolerance keyword whose value is a number literal (other than 0) with neither a name
+    from tests/tolerances.py in it nor a ``# tol:`` comment on its lines."""
+    from tests import tolerances
+
+    names = {n for n in vars(tolerances) if n.isupper() or n == "f32"}
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        for kw in getattr(node, "keywords", []) if isinstance(node, ast.Call) else []:
+            if kw.arg not in TOLERANCE_KEYWORDS:
+                continue
+            parts = list(ast.walk(kw.value))
+            literal = any(isinstance(p, ast.Constant) and isinstance(p.value, float | int) and p.value != 0
+                          for p in parts)
+            named = any(isinstance(p, ast.Name) and p.id in names for p in parts)
+            commented = any("# tol:" in lines[i - 1] for i in range(kw.value.lineno, kw.value.end_lineno + 1))
+            if literal and not named and not commented:
+                found.append(f"{name}:{kw.value.lineno}")
+    return found
+
+
+def test_untraced_tolerances_are_found():
+    assert untraced_tolerances("torch.testing.assert_close(a, b, atol=1e-5, rtol=0)") == ["<test>:1"]
+    assert untraced_tolerances("x == pytest.approx(y, rel=2 * 1e-6)") == ["<test>:1"]
+    assert untraced_tolerances("torch.testing.assert_close(a, b, atol=F32_LAYERS, rtol=0)") == []
+    assert untraced_tolerances("torch.testing.assert_close(a, b, atol=F32 * s, rtol=0)") == []
+    assert untraced_tolerances("x == pytest.approx(y, abs=0.05)  # tol: read off a figure") == []
+    assert untraced_tolerances("x == pytest.approx(y, rel=spread)\nf(atol=0)") == []
+
+
+def test_every_float_tolerance_in_the_suite_is_traced():
+    """Each tolerance is a named bound of tests/tolerances.py (with its error analysis) or says where it comes from."""
+    root = Path(__file__).parent
+    found = [hit for path in sorted(root.rglob("*.py")) if path.name != "tolerances.py"
+             for hit in untraced_tolerances(path.read_text(), str(path.relative_to(root)))]
+    assert not found, f"tolerances without a name from tests/tolerances.py or a '# tol:' comment: {found}"

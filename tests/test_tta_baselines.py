@@ -17,6 +17,7 @@ from torch import nn
 
 from lowrank_lit.data.stream import dirichlet_order, label_entropy, severity_ramp
 from lowrank_lit.tta import LAME, SAR, RobustBatchNorm, RoTTA, entropy, knn_affinity, laplacian_adjust
+from tests.tolerances import F32, F32_LAYERS, F32_NET, F64
 
 
 def _bn_model(seed: int = 0) -> nn.Module:
@@ -68,8 +69,8 @@ def test_sar_step_is_the_sharpness_aware_gradient_on_the_reliable_samples():
     e2 = ent_at(w2)[keep]
     g2 = torch.autograd.grad(e2[e2 < e0].mean(), w2)
     for p, g, new in zip(w, g2, sar.params, strict=True):  # SGD's first momentum step: w - lr g
-        torch.testing.assert_close(new.detach(), p.detach() - 0.1 * g, atol=1e-6, rtol=0)
-    assert sar.ema == pytest.approx(float(e2[e2 < e0].mean().detach()), rel=1e-5)
+        torch.testing.assert_close(new.detach(), p.detach() - 0.1 * g, atol=F32, rtol=0)
+    assert sar.ema == pytest.approx(float(e2[e2 < e0].mean().detach()), rel=F32_LAYERS)
     assert not model[0].weight.requires_grad  # only the norm layer adapts
 
 
@@ -174,7 +175,7 @@ def test_rotta_memory_bank_ages_as_published_over_eleven_offers_with_evictions()
     _, ages = r.memory()
     assert ages.tolist() == [6.0, 1.0, 9.0, 4.0]
     torch.testing.assert_close(_timeliness(ages.tolist(), 4), torch.tensor([0.18243, 0.43782, 0.09534, 0.26894]),
-                               atol=1e-5, rtol=0)
+                               atol=F32_LAYERS, rtol=0)
 
 
 def test_rotta_prediction_in_eval_mode_moves_no_statistic():
@@ -285,7 +286,7 @@ def test_rotta_student_loss_is_timeliness_weighted_and_the_teacher_follows_by_em
     before = [p.detach().clone() for p in r.params]
     r._update_student()
     for b, g_, new in zip(before, grads, r.params, strict=True):
-        torch.testing.assert_close(new.detach(), b - g_, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(new.detach(), b - g_, atol=F32_LAYERS, rtol=F32_NET)
     for t0, t, s in zip(teacher_before, r.teacher.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(t, 0.75 * t0 + 0.25 * s.detach())
     assert not model.training and not r.teacher.training  # back to eval mode for the next test batch
@@ -304,7 +305,7 @@ def test_knn_affinity_and_the_laplacian_fixed_point():
     y = torch.softmax(torch.randn(7, 3) * 2, dim=1)
     torch.testing.assert_close(laplacian_adjust(y, torch.zeros(7, 7)), y)  # no affinity: the model's output
     z = laplacian_adjust(y, w, max_iter=500, tol=1e-12)
-    torch.testing.assert_close(z, (y.log() + w @ z).softmax(dim=1), atol=1e-6, rtol=0)  # the bound's fixed point
+    torch.testing.assert_close(z, (y.log() + w @ z).softmax(dim=1), atol=F32, rtol=0)  # the bound's fixed point
     # neighbours agree more after the adjustment
     agree = lambda p: float((p.argmax(1)[:, None] == p.argmax(1)[None, :]).float().mul(w).sum())  # noqa: E731
     assert agree(z) >= agree(y)
@@ -338,7 +339,7 @@ def test_lame_fixed_point_by_hand_on_one_sample(affinity):
 
     W = AFFINITIES[affinity](torch.tensor([[3.0, 4.0]], dtype=torch.float64), 5)
     z = laplacian_adjust(y, W, max_iter=2000, tol=1e-15)
-    torch.testing.assert_close(z, torch.tensor([[0.8, 0.2]], dtype=torch.float64), atol=1e-9, rtol=0)
+    torch.testing.assert_close(z, torch.tensor([[0.8, 0.2]], dtype=torch.float64), atol=F64, rtol=0)
 
 
 @pytest.mark.parametrize("affinity", ["rbf", "knn", "linear"])
@@ -358,7 +359,7 @@ def test_lame_changes_outputs_not_parameters(affinity):
         y = model(x).softmax(dim=1)
         feats = model.blocks(x).mean(dim=(2, 3))
     want = laplacian_adjust(y, AFFINITIES[affinity](feats, 3))
-    torch.testing.assert_close(out.softmax(dim=1), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.softmax(dim=1), want, atol=F32, rtol=0)
 
 
 def test_lame_defaults_to_the_published_rbf_affinity_and_refuses_an_unknown_one():

@@ -14,6 +14,7 @@ from lowrank_lit.models.text import (
 )
 from lowrank_lit.nn.prompts import DeepPrompt, anchor_attention_share, masked_mean
 from tests.helpers import CONFIGS, TINY_LLAMA, run_cli, run_dirs, text_batch
+from tests.tolerances import F32, F32_LAYERS
 
 SHORT = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=2",
          "--trainer.enable_progress_bar=false"]
@@ -76,9 +77,9 @@ def test_layer_inputs_follow_the_capsule_recursion(batch):
     full = torch.cat([torch.ones(3, 1, dtype=mask.dtype), mask], 1)
     real = full.clone()
     real[:, 0] = 0
-    torch.testing.assert_close(ins[0][:, 0], cap.prompt_capsule[0] + masked_mean(E, real), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ins[0][:, 0], cap.prompt_capsule[0] + masked_mean(E, real), atol=F32, rtol=0)
     for i in (1, 2):  # S_i = p_i + Mean([S'_{i-1}; H_{i-1}]) over the capsule slot and the real tokens
-        torch.testing.assert_close(ins[i][:, 0], cap.prompt_capsule[i] + masked_mean(outs[i - 1], full), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ins[i][:, 0], cap.prompt_capsule[i] + masked_mean(outs[i - 1], full), atol=F32, rtol=0)
         torch.testing.assert_close(ins[i][:, 1:], outs[i - 1][:, 1:])  # only the slot is rewritten
 
 
@@ -92,12 +93,12 @@ def test_no_instance_term_equals_deep_prompt_m1_and_zero_prompt_equals_zero_deep
     a = PromptedBackbone(model, cap)(*batch).hidden
     model2 = _bert()
     b = PromptedBackbone(model2, deep)(*batch).hidden
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a, b, atol=F32, rtol=0)
     zero_cap, zero_deep = CapsulePrompt(3, 384, instance=False), DeepPrompt(3, 1, 384)
     with torch.no_grad():
         zero_deep.prompt_deep.zero_()
     torch.testing.assert_close(PromptedBackbone(_bert(), zero_cap)(*batch).hidden,
-                               PromptedBackbone(_bert(), zero_deep)(*batch).hidden, atol=1e-6, rtol=0)
+                               PromptedBackbone(_bert(), zero_deep)(*batch).hidden, atol=F32, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ 4. padding
@@ -114,9 +115,9 @@ def test_padding_invariance(batch):
     b = enc(torch.cat([ids, pad], 1), torch.cat([mask, pad], 1)).hidden
     [h.remove() for h in h2]
     for x, y in zip(ins_a, ins_b, strict=True):
-        torch.testing.assert_close(x[:, 0], y[:, 0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(x[:, 0], y[:, 0], atol=F32_LAYERS, rtol=0)
     real = mask.bool()
-    torch.testing.assert_close(a[real], b[:, :12][real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a[real], b[:, :12][real], atol=F32_LAYERS, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ 5. instance dependence
@@ -131,7 +132,7 @@ def test_first_capsule_difference_is_the_difference_of_means(batch):
     real[:, 0] = 0
     mu = masked_mean(E, real)
     assert not torch.allclose(S[0], S[1])
-    torch.testing.assert_close(S[0, 0] - S[1, 0], mu[0] - mu[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(S[0, 0] - S[1, 0], mu[0] - mu[1], atol=F32, rtol=0)
     del model, ids
 
 
@@ -188,7 +189,7 @@ def test_variants_run_and_prepend_uses_two_slots(batch):
     add = CapsulePrompt(3, 384)
     h = torch.randn(2, 9, 384)
     torch.testing.assert_close(conv.layer_prompt(1, h, torch.ones(2, 9)), add.layer_prompt(1, h, torch.ones(2, 9)),
-                               atol=1e-6, rtol=0)
+                               atol=F32, rtol=0)
 
 
 def test_anchor_share_counts_real_queries_only():

@@ -24,6 +24,7 @@ from lowrank_lit.methods.glvq import (
     select_groups,
     storage_bits,
 )
+from tests.tolerances import F32, F32_LAYERS, F32_NET, F64
 
 D = torch.float64
 
@@ -73,7 +74,7 @@ def test_5_mulaw_invertible_odd_monotone():
     x = torch.linspace(-1, 1, 2001, dtype=D)
     for mu in (10.0, 50.0, 255.0):
         y = mulaw(x, mu)
-        torch.testing.assert_close(mulaw_inv(y, mu), x, atol=1e-6, rtol=0)
+        torch.testing.assert_close(mulaw_inv(y, mu), x, atol=F32, rtol=0)
         torch.testing.assert_close(mulaw(-x, mu), -y)
         assert bool((y[1:] > y[:-1]).all())
         assert float(mulaw(torch.tensor(1.0, dtype=D), mu)) == pytest.approx(1.0)
@@ -107,7 +108,7 @@ def test_7_gradient_wrt_G_matches_finite_differences():
             dG = torch.zeros_like(G0)
             dG[i, j] = eps
             fd[i, j] = (loss(G0 + dG) - loss(G0 - dG)) / (2 * eps)
-    torch.testing.assert_close(grad, fd, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad, fd, rtol=F32_NET, atol=F32)
 
 
 def test_8_keep_best_never_worse_than_the_scalar_init():
@@ -177,7 +178,7 @@ def test_8c_cholesky_init_and_best_of_both_starts():
     Y = L @ _rand(4, 4000, seed=21)
     G = _cholesky_init(Y, 2, lambda G: float(((G - 0.6 * L) ** 2).sum()), 64)
     chol = torch.linalg.cholesky(torch.cov(Y))
-    torch.testing.assert_close(G / G[0, 0], chol / chol[0, 0], atol=1e-6, rtol=0)  # the shape of chol(cov)
+    torch.testing.assert_close(G / G[0, 0], chol / chol[0, 0], atol=F32, rtol=0)  # the shape of chol(cov)
     assert torch.equal(G, torch.tril(G)) and 0.4 < float(G[0, 0]) < 0.8  # c picked on the loss: 2 * 0.6 / 2
     assert _cholesky_init(torch.zeros(4, 50, dtype=D), 2, lambda G: 0.0, 8) is None  # degenerate covariance
     # correlated d-vectors (each row of W repeats a pattern), every start kept-best
@@ -187,7 +188,7 @@ def test_8c_cholesky_init_and_best_of_both_starts():
     runs = {init: quantize_group(W, H, 2, 4, "glvq", steps=40, init=init) for init in ("scalar", "cholesky", "both")}
     scalar = quantize_group(W, H, 2, 4, "scalar")
     assert all(r.loss <= scalar.loss + 1e-9 for r in runs.values())
-    assert runs["both"].loss == pytest.approx(min(runs["scalar"].loss, runs["cholesky"].loss), rel=1e-12)
+    assert runs["both"].loss == pytest.approx(min(runs["scalar"].loss, runs["cholesky"].loss), rel=F64)
     assert runs["cholesky"].loss < 0.9 * scalar.loss  # the correlated group gains over the scalar lattice
     with pytest.raises(ValueError, match="init='svd'"):
         quantize_group(W, H, 2, 4, "glvq", init="svd")
@@ -412,11 +413,11 @@ def test_batched_float32_decode_matches_the_float64_reference():
     layer._drop_cache()
     fast, ref = layer.weight_hat(), layer.weight_hat_reference()
     assert fast.dtype == torch.float32 and fast.shape == (40, 96)
-    torch.testing.assert_close(fast.double(), ref, rtol=2e-6, atol=2e-6 * float(ref.abs().max()))
+    torch.testing.assert_close(fast.double(), ref, rtol=2e-6, atol=2e-6 * float(ref.abs().max()))  # tol: float32 decode, <= 16 ulps
     assert not torch.equal(fast[:, 32:64].double(), ref[:, :32].double())  # groups land in their own columns
     # the same through the function on float64 buffers is the reference itself
     exact = decode_groups(layer.G.double(), layer.codes, layer.mu.double(), layer.scale.double(), 40, 32)
-    torch.testing.assert_close(exact, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(exact, ref, rtol=F64, atol=F64)
 
 
 # -- bit-packed codes and the compact (decode-on-the-fly) mode ------------------------------------------------------
@@ -467,7 +468,7 @@ def test_compact_mode_equals_the_cached_mode_and_keeps_no_dense_weight(mixed):
     compact.load_state_dict(layer.state_dict())
     got = compact(x)
     assert got.shape == (5, 7, 48) and compact._cache is None
-    torch.testing.assert_close(got, cached, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, cached, rtol=F32_LAYERS, atol=F32_LAYERS)
     assert torch.equal(compact.codes, layer.codes)
 
 
@@ -516,7 +517,7 @@ def test_the_documented_reference_decoder_matches_ours(tmp_path):
     save_quantized(model, path)
     for name in ("0", "2"):
         got = torch.from_numpy(namespace["decode_layer"](path, name))
-        torch.testing.assert_close(got, model[int(name)].weight_hat_reference(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, model[int(name)].weight_hat_reference(), rtol=F64, atol=F64)
     assert float(model[0].mu.max()) > 0  # the companded path was exercised
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from lowrank_lit.methods.is_lowrank import LowRankAdam, effective_rank, projector_overlap, select_subspace
 from tests.helpers import quiet_trainer
+from tests.tolerances import F32, F32_LAYERS, F32_NET, F64
 
 
 def _grad_seq(shape, n, seed=0, rank=None):
@@ -51,7 +52,7 @@ def test_projector_is_orthonormal_and_indices_distinct():
         opt.step()
         P = opt.state[w]["projector"]
         basis = P if side == "left" else P.T  # (m, r) or (n, r)
-        torch.testing.assert_close(basis.T @ basis, torch.eye(3, dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(basis.T @ basis, torch.eye(3, dtype=torch.float64), atol=F32_LAYERS, rtol=0)
         assert tuple(opt.state[w]["exp_avg"].shape) == ((3, 6) if side == "left" else (10, 3))
 
 
@@ -74,9 +75,9 @@ def test_exactly_r_nonzero_singular_values_gives_identical_weights_over_one_peri
     _, oi, b = _run(lambda p: LowRankAdam(p, lr=1e-2, rank=3, update_proj_gap=10, selector="importance", seed=3), grads, w0)
     Pd = od.state[next(iter(od.state))]["projector"]
     Pi = oi.state[next(iter(oi.state))]["projector"]
-    torch.testing.assert_close(Pd.T @ Pd, Pi.T @ Pi, atol=1e-5, rtol=0)  # (r, n) rows: the same row space
+    torch.testing.assert_close(Pd.T @ Pd, Pi.T @ Pi, atol=F32_LAYERS, rtol=0)  # (r, n) rows: the same row space
     for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+        torch.testing.assert_close(x, y, atol=F32, rtol=0)
 
 
 def test_full_rank_picks_everything():
@@ -87,7 +88,7 @@ def test_full_rank_picks_everything():
         w.grad = G.clone()
         opt.step()
         Q = opt.state[w]["projector"]  # (5, 5) right projector
-        torch.testing.assert_close(G @ Q.T @ Q, G, atol=1e-5, rtol=0)
+        torch.testing.assert_close(G @ Q.T @ Q, G, atol=F32_LAYERS, rtol=0)
         assert sorted(select_subspace(torch.linalg.svdvals(G), 5, sel, torch.Generator().manual_seed(0)).tolist()) == list(range(5))
 
 
@@ -145,7 +146,7 @@ def test_dominant_selector_matches_the_galore_update(shape):
     grads = _grad_seq(shape, 9, seed=5)
     w0 = torch.randn(*shape, dtype=torch.float64)
     w, _, _ = _run(lambda p: LowRankAdam(p, lr=2e-2, rank=4, update_proj_gap=4, scale=0.25, selector="dominant"), grads, w0)
-    torch.testing.assert_close(w.detach(), _galore_reference(grads, w0, 4, 4, 0.25, 2e-2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(w.detach(), _galore_reference(grads, w0, 4, 4, 0.25, 2e-2), atol=F32, rtol=0)
 
 
 @pytest.mark.parametrize("shape", [(14, 9), (9, 14)])
@@ -205,7 +206,7 @@ def test_dense_groups_are_adamw():
         oa.step()
         ob.step()
     # transformers-style AdamW (eps outside the bias correction, decay after the step): close, not bit-equal
-    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    torch.testing.assert_close(a, b, atol=F32_NET, rtol=0)
 
 
 def test_bad_inputs():
@@ -235,7 +236,7 @@ def test_overlap_and_effective_rank():
     Q, _ = torch.linalg.qr(torch.randn(10, 10, dtype=torch.float64))
     P, R = Q[:, :3], Q[:, 3:6]
     assert projector_overlap(P, P) == pytest.approx(1.0)
-    assert projector_overlap(P, R) == pytest.approx(0.0, abs=1e-12)
+    assert projector_overlap(P, R) == pytest.approx(0.0, abs=F64)
     assert projector_overlap(P.T, P.T) == pytest.approx(1.0)  # (r, n) right projectors
     M = (Q[:, :4] * torch.tensor([10.0, 1.0, 1.0, 1.0], dtype=torch.float64)) @ Q[:, :4].T
     assert effective_rank(M) == 1  # 100 / 103 of the energy in one direction

@@ -19,6 +19,7 @@ from lowrank_lit.methods.masked_block_icl import (
     masked_block_batch,
 )
 from tests.helpers import CONFIGS, quiet_trainer, run_cli
+from tests.tolerances import F32, F64
 
 
 def conditioned(kappa: float, d: int = 50, n: int = 50, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -43,8 +44,8 @@ def test_invariants_hold_every_iteration():
     D = torch.zeros(3, 2, 2, dtype=torch.float64)
     for _ in range(15):
         A, B, C, D = _eagle_block(A, B, C, D, 1 / 3, 1.0, None)
-        assert torch.allclose(B, W @ A, atol=1e-8)
-        assert torch.allclose(D + W @ C, target, atol=1e-8)
+        assert torch.allclose(B, W @ A, atol=F64)
+        assert torch.allclose(D + W @ C, target, atol=F64)
 
 
 # ----------------------------------------------------------------------------- 2. convergence
@@ -53,7 +54,7 @@ def test_eagle_reaches_1e10_within_30_iterations(kappa):
     A, B, C = conditioned(kappa)
     res = eagle_solve(A, B, C, iters=30)
     assert res["errors"][-1] <= 1e-10
-    assert torch.allclose(res["D"], nystrom_target(A, B, C), atol=1e-8)
+    assert torch.allclose(res["D"], nystrom_target(A, B, C), atol=F64)
 
 
 def test_gradient_descent_is_far_slower():
@@ -71,9 +72,9 @@ def test_sigma_max_shrinks_by_two_thirds_and_conditioning_improves():
     for _ in range(8):
         A, B, C, D = _eagle_block(A, B, C, D, 1 / 3, 1.0, None)
         s = torch.linalg.svdvals(A)
-        assert float(s[0]) == pytest.approx(2 / 3 * float(s_prev[0]), rel=1e-9)
+        assert float(s[0]) == pytest.approx(2 / 3 * float(s_prev[0]), rel=F64)
         # every singular value follows s -> s - s^3 / (3 s_max^2), increasing on [0, s_max]: the order is kept
-        assert torch.allclose(s, s_prev - s_prev**3 / (3 * s_prev[0] ** 2), rtol=1e-8, atol=1e-14)
+        assert torch.allclose(s, s_prev - s_prev**3 / (3 * s_prev[0] ** 2), rtol=F64, atol=F64)
         assert bool((s[:-1] >= s[1:] - 1e-15).all())
         assert float(s[0] / s[-1]) <= float(s_prev[0] / s_prev[-1]) + 1e-9
         s_prev = s
@@ -89,7 +90,7 @@ def test_one_machine_and_identity_sketch_equal_centralised_bit_for_bit():
     plain = _eagle_block(A, B, C, D, 1 / 3, 1.0, None)
     eye = _eagle_block(A, B, C, D, 1 / 3, 1.0, torch.eye(60, dtype=torch.float64))
     for a, b in zip(plain, eye, strict=True):
-        assert torch.allclose(a, b, atol=1e-14)
+        assert torch.allclose(a, b, atol=F64)
 
 
 def test_distributed_and_sketched_variants_converge():
@@ -112,7 +113,7 @@ def test_top_rows_ignore_bottom_rows(regime, kw):
     z1[:, 18:] = torch.randn(4, 2, 20)
     for a, b in zip(m(z0, return_all=True), m(z1, return_all=True), strict=True):
         assert a.shape == (4, 20, 20)
-        assert torch.allclose(a[:, :18], b[:, :18], atol=1e-6)
+        assert torch.allclose(a[:, :18], b[:, :18], atol=F32)
 
 
 # ----------------------------------------------------------------------------- 6. hand-set weights
@@ -132,8 +133,8 @@ def test_hand_set_weights_reproduce_eagle():
                                  torch.full((2,), -gamma * float(rho), dtype=torch.float64)]))[None]
         z = m.layer_update(z, wq, eye, wv, eye, m.attend)
         A, B, C, D = _eagle_block(A, B, C, D, eta, gamma, None)
-        assert torch.allclose(z[:, :18, :18], A, atol=1e-12) and torch.allclose(z[:, 18:, :18], B, atol=1e-12)
-        assert torch.allclose(z[:, :18, 18:], C, atol=1e-12) and torch.allclose(-z[:, 18:, 18:], D, atol=1e-12)
+        assert torch.allclose(z[:, :18, :18], A, atol=F64) and torch.allclose(z[:, 18:, :18], B, atol=F64)
+        assert torch.allclose(z[:, :18, 18:], C, atol=F64) and torch.allclose(-z[:, 18:, 18:], D, atol=F64)
 
 
 # ----------------------------------------------------------------------------- 7. shapes and rank
@@ -230,7 +231,7 @@ def test_distributed_eagle_over_gloo_matches_machines_2():
     A, B, C = conditioned(1e2, d=20, n=40)
     ref = eagle_solve(A, B, C, iters=25, machines=2)
     assert torch.equal(d0, d1)
-    assert torch.allclose(d0, ref["D"], atol=1e-12)
+    assert torch.allclose(d0, ref["D"], atol=F64)
 
 
 def test_config_runs_and_writes_the_extraction(tmp_path):

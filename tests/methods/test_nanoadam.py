@@ -18,6 +18,7 @@ from lowrank_lit.methods.nanoadam import (
 )
 from lowrank_lit.optim import matrix_param_groups
 from tests.helpers import quiet_trainer
+from tests.tolerances import F32
 
 
 def _problem(seed=0, shape=(12, 10)):
@@ -80,7 +81,7 @@ def test_4_full_density_equals_adam_and_adamw(wd):
     a, _, _ = _run(lambda p: NanoAdam(p, lr=3e-2, density=1.0, mask_interval=1000, weight_decay=wd), steps=25)
     ref_cls = torch.optim.AdamW if wd else torch.optim.Adam
     b, _, _ = _run(lambda p: ref_cls(p, lr=3e-2, weight_decay=wd), steps=25)
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a, b, atol=F32, rtol=0)
     c, _, _ = _run(lambda p: torch.optim.Adam(p, lr=3e-2, weight_decay=0.05), steps=25)  # a different optimizer differs
     assert (a - c).abs().max() > 1e-4
 
@@ -119,7 +120,7 @@ def test_density_schedule_changes_k_and_refreshes():
 def test_6_compact_state_size_and_dense_mask_mode_agree():
     a, oa, _ = _run(lambda p: NanoAdam(p, lr=2e-2, density=0.1, mask_interval=5, compact_state=True), steps=14)
     b, ob, _ = _run(lambda p: NanoAdam(p, lr=2e-2, density=0.1, mask_interval=5, compact_state=False), steps=14)
-    torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+    torch.testing.assert_close(a, b, atol=F32, rtol=0)
     st = oa.state[a]
     assert st["exp_avg"].numel() == st["exp_avg_sq"].numel() == st["idx"].numel() == 12
     assert ob.state[b]["exp_avg"].numel() == 120
@@ -127,7 +128,7 @@ def test_6_compact_state_size_and_dense_mask_mode_agree():
     for ko in (True,):
         c, _, _ = _run(lambda p, ko=ko: NanoAdam(p, lr=2e-2, density=0.1, mask_interval=5, keep_overlap=ko), steps=14)
         d, _, _ = _run(lambda p, ko=ko: NanoAdam(p, lr=2e-2, density=0.1, mask_interval=5, keep_overlap=ko, compact_state=False), steps=14)
-        torch.testing.assert_close(c, d, atol=1e-7, rtol=0)
+        torch.testing.assert_close(c, d, atol=F32, rtol=0)
         assert (c - a).abs().max() > 0  # carrying moments is a different trajectory
 
 
@@ -152,7 +153,7 @@ def test_7_nano_false_groups_follow_adam_and_1d_tensors_are_dense():
             nn.functional.cross_entropy(m(x), y).backward()
             o.step()
     for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
-        torch.testing.assert_close(p1, p2, atol=1e-7, rtol=0)
+        torch.testing.assert_close(p1, p2, atol=F32, rtol=0)
 
 
 def test_8_state_dict_round_trip_reproduces_the_next_step():

@@ -19,6 +19,7 @@ from lowrank_lit.methods.pinv_bounds import (
     symmetric_noise,
 )
 from tests.helpers import writing_trainer
+from tests.tolerances import F32, F64
 
 D = torch.float64
 
@@ -41,7 +42,7 @@ def test_full_rank_is_the_inverse_and_rank_is_p():
 def test_diagonal_example_is_exact():
     A = torch.diag(torch.tensor([5.0, 4, 3, 2, 1], dtype=D))
     E = torch.diag(torch.tensor([0.05, -0.05, 0.05, 0.1, -0.2], dtype=D))
-    assert lowrank_inverse_error(A, E, 2) == pytest.approx(0.25, abs=1e-14)
+    assert lowrank_inverse_error(A, E, 2) == pytest.approx(0.25, abs=F64)
 
 
 def test_hand_case():
@@ -49,9 +50,9 @@ def test_hand_case():
     E = torch.zeros(5, 5, dtype=D)
     E[3, 4] = E[4, 3] = 0.1
     w = torch.diag(A)
-    assert lowrank_inverse_error(A, E, 2) == pytest.approx(0.054036, abs=5e-7)
-    assert contour_bound(w, 0.1, 2) == pytest.approx(0.40625, abs=1e-12)
-    assert eym_neumann_bound(w, 0.1, 2) == pytest.approx(0.31212, abs=5e-6)
+    assert lowrank_inverse_error(A, E, 2) == pytest.approx(0.054036, abs=5e-7)  # tol: half the last printed digit
+    assert contour_bound(w, 0.1, 2) == pytest.approx(0.40625, abs=F64)
+    assert eym_neumann_bound(w, 0.1, 2) == pytest.approx(0.31212, abs=5e-6)  # tol: half the last printed digit
 
 
 def test_no_violation_in_200_random_trials():
@@ -80,10 +81,10 @@ def test_linearity_and_small_noise_limits():
     E = symmetric_noise(12, 1.0, torch.Generator().manual_seed(3))
     E = E / torch.linalg.matrix_norm(E, ord=2)
     ratios = [lowrank_inverse_error(A, t * E, 4) / t for t in (1e-6, 1e-7, 1e-8)]
-    assert ratios[0] == pytest.approx(ratios[2], rel=1e-3)  # error(tE)/t -> constant
-    assert contour_bound(w, 2e-6, 4) == pytest.approx(2 * contour_bound(w, 1e-6, 4), rel=1e-12)
+    assert ratios[0] == pytest.approx(ratios[2], rel=1e-3)  # tol: error(tE)/t -> constant, O(t) from t = 1e-6
+    assert contour_bound(w, 2e-6, 4) == pytest.approx(2 * contour_bound(w, 1e-6, 4), rel=F64)
     lcut = float(torch.sort(w).values[4])
-    assert eym_neumann_bound(w, 1e-12, 4) == pytest.approx(2 / lcut, rel=1e-9)  # does not vanish
+    assert eym_neumann_bound(w, 1e-12, 4) == pytest.approx(2 / lcut, rel=F64)  # does not vanish
 
 
 def test_orthogonal_invariance_and_scaling():
@@ -91,10 +92,10 @@ def test_orthogonal_invariance_and_scaling():
     E = symmetric_noise(10, 1e-4, torch.Generator().manual_seed(5))
     Q, _ = torch.linalg.qr(torch.randn(10, 10, dtype=D, generator=torch.Generator().manual_seed(6)))
     err = lowrank_inverse_error(A, E, 3)
-    assert lowrank_inverse_error(Q @ A @ Q.T, Q @ E @ Q.T, 3) == pytest.approx(err, rel=1e-8)
-    assert lowrank_inverse_error(3 * A, 3 * E, 3) == pytest.approx(err / 3, rel=1e-8)
+    assert lowrank_inverse_error(Q @ A @ Q.T, Q @ E @ Q.T, 3) == pytest.approx(err, rel=F64)
+    assert lowrank_inverse_error(3 * A, 3 * E, 3) == pytest.approx(err / 3, rel=F64)
     w, e = torch.linalg.eigvalsh(A), float(torch.linalg.matrix_norm(E, ord=2))
-    assert contour_bound(3 * w, 3 * e, 3) == pytest.approx(contour_bound(w, e, 3) / 3, rel=1e-12)
+    assert contour_bound(3 * w, 3 * e, 3) == pytest.approx(contour_bound(w, e, 3) / 3, rel=F64)
 
 
 def test_gap_condition_violation_is_never_a_number():
@@ -109,7 +110,7 @@ def test_bounds_from_partial_eigensolver():
     w_part, _ = smallest_eigenpairs(A, 6)
     w_full = torch.linalg.eigvalsh(A)
     torch.testing.assert_close(torch.sort(w_part).values, w_full[:6])
-    assert contour_bound(w_part, 1e-6, 5) == pytest.approx(contour_bound(w_full, 1e-6, 5), rel=1e-9)
+    assert contour_bound(w_part, 1e-6, 5) == pytest.approx(contour_bound(w_full, 1e-6, 5), rel=F64)
 
 
 def test_indefinite_matrix_keeps_smallest_magnitudes():
@@ -223,13 +224,13 @@ def test_sparse_path_agrees_with_dense_and_feeds_the_bounds(tmp_path):
     dense = torch.as_tensor(A.toarray())
     w_sparse, V = smallest_eigenpairs(A, 11)
     w_dense, _ = smallest_eigenpairs(dense, 11)
-    torch.testing.assert_close(w_sparse, w_dense, rtol=1e-8, atol=1e-8 * float(w_dense.abs().max()))
-    torch.testing.assert_close(dense @ V, V * w_sparse, rtol=0, atol=1e-6 * float(w_sparse.max()))
+    torch.testing.assert_close(w_sparse, w_dense, rtol=F64, atol=F64 * float(w_dense.abs().max()))
+    torch.testing.assert_close(dense @ V, V * w_sparse, rtol=0, atol=F32 * float(w_sparse.max()))
     w_torch, _ = smallest_eigenpairs(dense.to_sparse_csr(), 11)
-    torch.testing.assert_close(w_torch, w_sparse, rtol=1e-10, atol=0)
+    torch.testing.assert_close(w_torch, w_sparse, rtol=F64, atol=0)
     e = 1e-3 * float(w_dense[0])
-    assert contour_bound(A, e, 10) == pytest.approx(contour_bound(w_dense, e, 10), rel=1e-8)
-    assert eym_neumann_bound(A, e, 10) == pytest.approx(eym_neumann_bound(w_dense, e, 10), rel=1e-8)
+    assert contour_bound(A, e, 10) == pytest.approx(contour_bound(w_dense, e, 10), rel=F64)
+    assert eym_neumann_bound(A, e, 10) == pytest.approx(eym_neumann_bound(w_dense, e, 10), rel=F64)
     with pytest.raises(ValueError, match="symmetric"):
         smallest_eigenpairs(sp.csc_matrix(np.triu(np.ones((80, 80)))), 3)
     with pytest.raises(ValueError, match="square"):

@@ -25,6 +25,7 @@ from lowrank_lit.nn.prompts import (
     svd_init_prompt,
 )
 from tests.helpers import CONFIGS, TINY_LLAMA, run_cli, run_dirs, text_batch
+from tests.tolerances import F32, F32_LAYERS, F64
 
 SHORT = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=2",
          "--trainer.enable_progress_bar=false"]
@@ -90,7 +91,7 @@ def test_svd_init_full_rank_reproduces_E():
     torch.manual_seed(0)
     E = torch.randn(16, 384)
     A, B = svd_init_prompt(E, 16)
-    torch.testing.assert_close(A @ B, E, atol=1e-5, rtol=0)
+    torch.testing.assert_close(A @ B, E, atol=F32_LAYERS, rtol=0)
 
 
 def test_svd_init_truncated_error_is_discarded_energy():
@@ -99,7 +100,7 @@ def test_svd_init_truncated_error_is_discarded_energy():
     S = torch.linalg.svdvals(E)
     A, B = svd_init_prompt(E, 5)
     err = ((E - A @ B) ** 2).sum()
-    torch.testing.assert_close(err, (S[5:] ** 2).sum(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(err, (S[5:] ** 2).sum(), rtol=F64, atol=F64)
 
 
 def test_every_expert_starts_at_the_svd_factors_of_the_task_text(bert):
@@ -127,7 +128,7 @@ def test_n1_without_noise_equals_dpt(bert, batch):
     moe.train()
     P = moe.input_prompt(embeds, batch[1])
     assert torch.equal(moe.last_routing, torch.ones(3, 1))
-    torch.testing.assert_close(P, dpt.input_prompt(embeds, batch[1]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(P, dpt.input_prompt(embeds, batch[1]), atol=F32, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ 4. routing
@@ -226,7 +227,7 @@ def test_lm_labels_ignored_at_prompt_positions_and_loss_only_on_targets():
     assert (seen["labels"][:, :4] == -100).all() and seen["labels"].shape == (2, 14)
     logits = out.logits  # (2, 10, V): real positions
     manual = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-    torch.testing.assert_close(out.loss, manual, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, manual, atol=F32_LAYERS, rtol=F32_LAYERS)
 
 
 def test_prompt_tuned_lm_trains_only_the_prompt(tmp_path):
@@ -259,9 +260,9 @@ def test_padding_invariance_of_routing_and_outputs(bert, batch):
     a = enc(ids, mask)
     pad = torch.zeros(ids.shape[0], 5, dtype=ids.dtype)
     b = enc(torch.cat([ids, pad], 1), torch.cat([mask, pad], 1))
-    torch.testing.assert_close(a.routing, b.routing, atol=1e-6, rtol=0)
+    torch.testing.assert_close(a.routing, b.routing, atol=F32, rtol=0)
     real = mask.bool()
-    torch.testing.assert_close(a.hidden[real], b.hidden[:, :ids.shape[1]][real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.hidden[real], b.hidden[:, :ids.shape[1]][real], atol=F32_LAYERS, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ peft parity
@@ -275,7 +276,7 @@ def test_soft_prompt_equals_peft_prompt_tuning(bert, batch):
     ref.eval()
     expected = ref(input_ids=batch[0], attention_mask=batch[1]).last_hidden_state[:, 8:]
     got = PromptedBackbone(bert, ours)(*batch).hidden
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, expected, atol=F32_LAYERS, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ routing purity

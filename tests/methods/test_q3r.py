@@ -18,6 +18,7 @@ from lowrank_lit.methods.q3r import (
     truncation_rank,
 )
 from tests.helpers import quiet_trainer
+from tests.tolerances import F32, F32_LAYERS
 
 
 def _one(W: torch.Tensor, rank=2, lam=1.0, **kw) -> tuple[Q3RRegularizer, nn.Module]:
@@ -48,7 +49,7 @@ def test_eps_schedule_default_never_increases():
     t = reg.targets[0]
     S = torch.linalg.svdvals(m[0].weight.detach())
     assert t.rank == 4  # integer target rank r -> int(r * max(d1, d2) / min(d1, d2)) = int(3 * 12 / 9)
-    assert t.eps == pytest.approx(float(S[4]), rel=1e-6)  # first refresh: sigma_(r+1)
+    assert t.eps == pytest.approx(float(S[4]), rel=F32)  # first refresh: sigma_(r+1)
     eps = [t.eps]
     for scale in (2.0, 0.5, 3.0, 0.1):
         with torch.no_grad():
@@ -72,11 +73,11 @@ def test_other_eps_schedules(schedule):
     reg.refresh()
     s_next = float(torch.linalg.svdvals(m[0].weight.detach())[3])
     if schedule == "exploration":
-        assert t.eps == pytest.approx(s_next, rel=1e-6)  # follows sigma_(r+1) up as well
+        assert t.eps == pytest.approx(s_next, rel=F32)  # follows sigma_(r+1) up as well
     elif schedule == "constant":
         assert t.eps == first
     else:  # halfway along a geometric decay from eps0 to 1e-5
-        assert t.eps == pytest.approx(math.sqrt(first * 1e-5), rel=1e-6)
+        assert t.eps == pytest.approx(math.sqrt(first * 1e-5), rel=F32)
 
 
 def test_operator_at_w():
@@ -85,10 +86,10 @@ def test_operator_at_w():
     t = reg.targets[0]
     W = m[0].weight.detach()
     S = torch.linalg.svdvals(W)
-    assert _inner(W, reg.apply(t, W)) == pytest.approx(float((torch.minimum(S, torch.tensor(t.eps)) ** 2).sum()), rel=1e-5)
+    assert _inner(W, reg.apply(t, W)) == pytest.approx(float((torch.minimum(S, torch.tensor(t.eps)) ** 2).sum()), rel=F32_LAYERS)
     # R(W) has W's singular vectors and singular values min(sigma, eps^2 / sigma)
     expected = torch.minimum(S, t.eps**2 / S).sort(descending=True).values
-    torch.testing.assert_close(torch.linalg.svdvals(reg.apply(t, W)), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.linalg.svdvals(reg.apply(t, W)), expected, rtol=F32_LAYERS, atol=F32)
 
 
 def test_self_adjoint_positive_definite_and_gradient():
@@ -96,13 +97,13 @@ def test_self_adjoint_positive_definite_and_gradient():
     reg, _ = _one(torch.randn(7, 5), rank=2)
     t = reg.targets[0]
     X, Y = torch.randn(7, 5), torch.randn(7, 5)
-    assert _inner(Y, reg.apply(t, X)) == pytest.approx(_inner(X, reg.apply(t, Y)), rel=1e-5)
+    assert _inner(Y, reg.apply(t, X)) == pytest.approx(_inner(X, reg.apply(t, Y)), rel=F32_LAYERS)
     for _ in range(20):
         Z = torch.randn(7, 5)
         assert _inner(Z, reg.apply(t, Z)) > 0
     Xg = X.clone().requires_grad_(True)
     (Xg * reg.apply(t, Xg)).sum().backward()
-    torch.testing.assert_close(Xg.grad, 2 * reg.apply(t, X), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(Xg.grad, 2 * reg.apply(t, X), rtol=F32_LAYERS, atol=F32)
 
 
 def _F(X, eps):
@@ -198,7 +199,7 @@ def test_callback_matches_adamq3r_in_lightning(tmp_path):
             nn.functional.cross_entropy(reference(x[i:i + 16]), y[i:i + 16]).backward()
             opt.step()
     for a, b in zip(model.backbone.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=F32)
     assert cb.regularizer.steps == 12
 
 

@@ -16,6 +16,7 @@ from lowrank_lit.models.cnn import GroupNormCNN
 from lowrank_lit.tta import EATA, CoTTA, SourceOnly, Tent, entropy, purity
 from lowrank_lit.tta.base import norm_affine_params as norm_params
 from tests.helpers import quiet_trainer
+from tests.tolerances import F32, F32_LAYERS, F32_NET
 
 LAYERS = ["blocks.0.0", "blocks.1.0"]
 
@@ -50,9 +51,9 @@ def test_1_single_model_reservoir_equals_the_base_method():
     for x, _ in stream:
         a = tent.forward_and_adapt(x)
         b = res.forward_and_adapt(x)
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(a, b, atol=F32, rtol=0)
         for p, q in zip(_params(tent), _params(res.method), strict=True):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+            torch.testing.assert_close(p, q, atol=F32, rtol=0)
     assert res.num_models == 1
 
 
@@ -92,7 +93,7 @@ def test_4_style_vector():
     x = torch.rand(16, 1, 8, 8)
     s = ext(x)
     assert s.shape == (16,)  # 8 + 8 channels
-    torch.testing.assert_close(ext(x[torch.randperm(16)]), s, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ext(x[torch.randperm(16)]), s, atol=F32_LAYERS, rtol=0)
     assert torch.isfinite(ext(torch.ones(16, 1, 8, 8))).all()  # constant images: log(0 + eps)
     assert StyleExtractor(_model(), LAYERS, fmt="meanvar")(x).shape == (32,)
     with pytest.raises(RuntimeError, match="blocks.0.0"):
@@ -106,10 +107,10 @@ def test_style_vector_is_the_log_of_torch_var_per_channel():
         f0 = model.blocks[0][0](x)  # (16, 8, 8, 8) conv outputs
         f1 = model.blocks[1][0](model.blocks[0][1:](f0))
     ref = torch.cat([torch.log(f.double().var(dim=(0, 2, 3)) + 1e-5) for f in (f0, f1)]).float()
-    torch.testing.assert_close(StyleExtractor(model, LAYERS)(x), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(StyleExtractor(model, LAYERS)(x), ref, atol=F32_LAYERS, rtol=0)
     meanvar = StyleExtractor(_model(), LAYERS, fmt="meanvar")(x)
-    torch.testing.assert_close(meanvar[:8], f0.mean(dim=(0, 2, 3)), atol=1e-5, rtol=0)
-    torch.testing.assert_close(StyleExtractor(_model(), LAYERS, fmt="var")(x)[:8], f0.var(dim=(0, 2, 3)), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(meanvar[:8], f0.mean(dim=(0, 2, 3)), atol=F32_LAYERS, rtol=0)
+    torch.testing.assert_close(StyleExtractor(_model(), LAYERS, fmt="var")(x)[:8], f0.var(dim=(0, 2, 3)), atol=F32_NET, rtol=F32_LAYERS)
 
 
 def test_without_ensembling_the_routed_copy_predicts_before_its_step():
@@ -125,7 +126,7 @@ def test_without_ensembling_the_routed_copy_predicts_before_its_step():
         with torch.no_grad():
             for p, v in zip(norm_params(probe), old, strict=True):
                 p.copy_(v)
-            torch.testing.assert_close(logits, probe(x), atol=1e-6, rtol=0)
+            torch.testing.assert_close(logits, probe(x), atol=F32, rtol=0)
         assert not all(torch.equal(a, b) for a, b in zip(old, res.copies[k]["params"], strict=True))  # then it adapted
     assert res.num_models == 2
 
@@ -168,7 +169,7 @@ def test_7_mutual_information_init_copies_the_best_copy():
     res.copies = [flat, confident]
     x, _ = _batches(1, seed=20, shift=7.0)[0]
     scores = res.mutual_information_scores(x)
-    assert scores[0] == pytest.approx(0.0, abs=1e-5) and scores[1] < scores[0]
+    assert scores[0] == pytest.approx(0.0, abs=F32_LAYERS) and scores[1] < scores[0]
     res.deltas.append(nn.Parameter(torch.zeros_like(res.source_mean)))  # pretend two centroids exist
     res._new_domain(res.extractor(x), x)
     for a, b in zip(res.copies[-1]["params"], confident["params"], strict=True):
@@ -199,7 +200,7 @@ def test_tent_equals_a_hand_written_entropy_step():
     grads = torch.autograd.grad(loss, params)
     for p, g, new in zip(params, grads, tent.params, strict=True):
         # Adam's first step: m_hat = g, v_hat = g^2 -> p - lr * g / (|g| + eps)
-        torch.testing.assert_close(new.detach(), p.detach() - 0.05 * g / (g.abs() + 1e-8), atol=1e-6, rtol=0)
+        torch.testing.assert_close(new.detach(), p.detach() - 0.05 * g / (g.abs() + 1e-8), atol=F32, rtol=0)
     conv = [p for n, p in model.named_parameters() if "blocks.0.0" in n]
     assert all(not p.requires_grad for p in conv)  # only norm affine parameters adapt
 
@@ -275,7 +276,7 @@ def test_corruptions_and_streams():
     torch.testing.assert_close(corrupt(x, "inversion"), 1 - x)
     torch.testing.assert_close(corrupt(x, "brightness"), 0.6 * x + 0.4)
     c = corrupt(x, "contrast")
-    torch.testing.assert_close(c.mean(dim=(1, 2, 3)), x.mean(dim=(1, 2, 3)), atol=1e-6, rtol=0)
+    torch.testing.assert_close(c.mean(dim=(1, 2, 3)), x.mean(dim=(1, 2, 3)), atol=F32, rtol=0)
     assert float(c.std()) < float(x.std())
     for name in CORRUPTIONS:
         y = corrupt(x, name, torch.Generator().manual_seed(0))
@@ -324,7 +325,7 @@ def test_tta_config_runs(name, source_ckpt, run_root):
     assert [k for k in logged if k.startswith("test/error") and not k.startswith(("test/error_r", "test/error_last"))] == [
         "test/error"]  # the stream's error under one name
     weighted = sum(float(r["error"]) * int(r["n"]) for r in rows) / sum(int(r["n"]) for r in rows)
-    assert logged["test/error"] == pytest.approx(weighted, abs=1e-6)
+    assert logged["test/error"] == pytest.approx(weighted, abs=F32)
 
 
 def test_tta_needs_gradients_in_test(source_ckpt, run_root):

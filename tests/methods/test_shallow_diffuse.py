@@ -25,6 +25,7 @@ from lowrank_lit.models.denoisers import (
     MixtureLowRankGaussianPMP,
     linear_alphas_cumprod,
 )
+from tests.tolerances import F32, F64
 
 
 class _ConstEps:
@@ -48,7 +49,7 @@ def test_ddim_step_and_inversion_are_exact_inverses_for_constant_eps():
     x = torch.randn(1, 1, 4, 4, dtype=torch.float64)
     for j in (1, 15, 49):
         back = s.invert(s.sample(x, j, j - 1), j - 1, j)
-        assert torch.allclose(back, x, atol=1e-10)
+        assert torch.allclose(back, x, atol=F64)
     assert s.grid[:3] == (0, 20, 40) and s.grid[-1] == 980 and len(s.grid) == 50
 
 
@@ -76,11 +77,11 @@ def test_inject_touches_only_the_mask_and_its_mirror(high):
     else:  # in the shifted frame, k -> -k maps index i to (16 - i) mod 16 around the centre
         mirror = m[(16 - idx) % 16][:, (16 - idx) % 16]
     outside = ~(m | mirror)
-    assert torch.allclose(before[:, outside], after[:, outside], atol=1e-6)
+    assert torch.allclose(before[:, outside], after[:, outside], atol=F32)
     # both masks are symmetric under k -> -k and the ring key takes one value per ring, so Re() keeps exactly the
     # key's real part there: the distance left is the mean |Im W|, the same for every image
     left = float(key.key[m].imag.abs().mean())
-    assert torch.allclose(key.distance(key.inject(x)), torch.full((2,), left, dtype=torch.float64), atol=1e-8)
+    assert torch.allclose(key.distance(key.inject(x)), torch.full((2,), left, dtype=torch.float64), atol=F64)
     assert left < float(key.distance(x).min())
 
 
@@ -91,7 +92,7 @@ def test_symmetric_key_on_symmetric_mask_is_recovered_exactly_and_idempotent():
     x = torch.randn(3, 1, 16, 16, dtype=torch.float64)
     once = key.inject(x)
     assert float(key.distance(once).max()) < 1e-5
-    assert torch.allclose(key.inject(once), once, atol=1e-10)
+    assert torch.allclose(key.inject(once), once, atol=F64)
 
 
 def test_key_rings_are_constant_and_reproducible():
@@ -115,9 +116,9 @@ def test_gaussian_pmp_closed_form_jacobian_and_rank(gauss):
         a = float(gauss.alphas_cumprod[t])
         gain = math.sqrt(a) * cov @ torch.linalg.inv(a * cov + (1 - a) * torch.eye(256, dtype=torch.float64))
         closed = gauss.mean + gain @ (x.flatten() - math.sqrt(a) * gauss.mean)
-        assert torch.allclose(gauss.pmp(x, t).flatten(), closed, atol=1e-8)
+        assert torch.allclose(gauss.pmp(x, t).flatten(), closed, atol=F64)
         J = pmp_jacobian(gauss, x[0], t)
-        assert torch.allclose(J, gain, atol=1e-6)
+        assert torch.allclose(J, gain, atol=F32)
     assert rank_ratio(pmp_jacobian(gauss, x[0], 0)) == 1.0
 
 
@@ -157,7 +158,7 @@ def test_molrg_pmp_matches_the_explicit_mixture():
         logs.append(dist.log_prob(x.flatten(1)) + math.log(w[k]))
     resp = torch.softmax(torch.stack(logs, 1), 1)
     expected = (resp[..., None] * torch.stack(comps, 1)).sum(1)
-    assert torch.allclose(m.pmp(x, t).flatten(1), expected, atol=1e-8)
+    assert torch.allclose(m.pmp(x, t).flatten(1), expected, atol=F64)
 
 
 # -- 6. Tree-Ring limit ------------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def test_tree_ring_injects_into_x_T(gauss):
     assert tr.i_star == 49 and not tr.key.high_freq
     x_T = torch.randn(2, 1, 16, 16, generator=torch.Generator().manual_seed(1))
     marked, _ = tr.embed_server(x_T)
-    assert torch.allclose(marked, s.sample(tr.key.inject(x_T), 49, 0), atol=1e-6)
+    assert torch.allclose(marked, s.sample(tr.key.inject(x_T), 49, 0), atol=F32)
 
 
 # -- 7. detection ------------------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ def test_detection_auc_is_one_on_clean_images(molrg):
     sw, sc = sd.detect(marked, p_value=True), sd.detect(clean, p_value=True)
     labels = torch.cat([torch.ones(50), torch.zeros(50)]).long()
     assert float(sw["score"].min()) > float(sc["score"].max())  # perfectly separated: AUC = 1
-    assert float(binary_auroc(torch.cat([sw["score"], sc["score"]]), labels)) == pytest.approx(1.0, abs=1e-6)
+    assert float(binary_auroc(torch.cat([sw["score"], sc["score"]]), labels)) == pytest.approx(1.0, abs=F32)
     assert float(sw["p_value"].median()) < float(sc["p_value"].median())
     user = sd.embed_user(clean[:5])
     assert float(sd.detect(user)["score"].min()) > float(sc["score"].max())

@@ -30,6 +30,7 @@ from lowrank_lit.methods.trust import (
 from lowrank_lit.models.vmamba import PERMUTATIONS, SS2D, TinyVMamba, set_traversal
 from lowrank_lit.tta import Tent, TTAModule
 from tests.helpers import quiet_trainer
+from tests.tolerances import F32, F32_LAYERS
 
 
 def _model(seed=0, **kw):
@@ -90,9 +91,9 @@ def test_k1_trust_equals_naive_under_that_permutation(perm):
     mt, mn = _setup(t), _setup(n)
     for s in range(3):  # over several batches (Adam state carried)
         x = _x(seed=s)
-        torch.testing.assert_close(t.forward_and_adapt(x), n.forward_and_adapt(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(t.forward_and_adapt(x), n.forward_and_adapt(x), rtol=F32_LAYERS, atol=F32)
     for a, b in zip(mt.parameters(), mn.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=F32_LAYERS, atol=F32)
 
 
 def test_sequential_carries_weights_and_parallel_averages_independent_steps():
@@ -109,7 +110,7 @@ def test_sequential_carries_weights_and_parallel_averages_independent_steps():
         n.forward_and_adapt(x)
         singles.append(n.get_params())
     for a, b in zip(par.get_params(), merge_mean(singles), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=F32_LAYERS, atol=F32)
     # sequential: the second snapshot continues from the first (one naive model stepping under both)
     seq = TRUST(k=2, lr=1e-2, mode="sequential", traversals=[list(p) for p in perms])
     _setup(seq)
@@ -121,7 +122,7 @@ def test_sequential_carries_weights_and_parallel_averages_independent_steps():
     n.traversal = perms[1]
     n.forward_and_adapt(x)
     for a, b in zip(seq.get_params(), merge_mean([first, n.get_params()]), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=F32_LAYERS, atol=F32)
     assert not all(torch.allclose(a, b) for a, b in zip(seq.get_params(), par.get_params(), strict=True))
     del mp
 
@@ -143,17 +144,17 @@ def test_parallel_resets_to_source_and_parallel_batch_to_the_batch_start():
     source = par.get_params()
     par.forward_and_adapt(x1)
     merged1 = par.get_params()
-    torch.testing.assert_close(merged1, merge_mean([naive_from(source, p, x1) for p in perms]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged1, merge_mean([naive_from(source, p, x1) for p in perms]), rtol=F32_LAYERS, atol=F32)
     par.forward_and_adapt(x2)
     # batch 2: the first traversal continues from batch 1's merge with a fresh Adam (the official reset follows
     # every traversal), the second starts again from the source weights
     want = merge_mean([naive_from(merged1, perms[0], x2), naive_from(source, perms[1], x2)])
-    torch.testing.assert_close(par.get_params(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(par.get_params(), want, rtol=F32_LAYERS, atol=F32)
     # parallel_batch: both traversals of batch 2 start from batch 1's merge and the Adam state it ended with
     pb = TRUST(k=2, lr=1e-2, mode="parallel_batch", traversals=[list(p) for p in perms])
     _setup(pb)
     pb.forward_and_adapt(x1)
-    torch.testing.assert_close(pb.get_params(), merged1, rtol=1e-5, atol=1e-6)  # batch 1 is the same for both
+    torch.testing.assert_close(pb.get_params(), merged1, rtol=F32_LAYERS, atol=F32)  # batch 1 is the same for both
     state1 = pb.get_state()
     pb.forward_and_adapt(x2)
     singles = []
@@ -163,8 +164,8 @@ def test_parallel_resets_to_source_and_parallel_batch_to_the_batch_start():
         one.set_state(state1)
         one.forward_and_adapt(x2)
         singles.append(one.get_params())
-    torch.testing.assert_close(pb.get_params(), merge_mean(singles), rtol=1e-5, atol=1e-6)
-    assert not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(par.get_params(), pb.get_params(), strict=True))
+    torch.testing.assert_close(pb.get_params(), merge_mean(singles), rtol=F32_LAYERS, atol=F32)
+    assert not all(torch.allclose(a, b, atol=F32_LAYERS) for a, b in zip(par.get_params(), pb.get_params(), strict=True))
 
 
 def test_merges():
@@ -196,10 +197,10 @@ def test_merge_slerp_is_the_official_shared_angle_form():
     om = math.pi / 3
     ca, cb = math.sin(0.25 * om) / math.sin(om), math.sin(0.75 * om) / math.sin(om)  # c_1 = 3 / (1 + 3)
     out = merge_slerp([f, g], [1.0, 3.0])
-    torch.testing.assert_close(out[0], torch.tensor([ca, cb]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(out[1], torch.tensor([ca + 2 * cb, 0.0, 0.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[0], torch.tensor([ca, cb]), atol=F32, rtol=0)
+    torch.testing.assert_close(out[1], torch.tensor([ca + 2 * cb, 0.0, 0.0]), atol=F32, rtol=0)
     # the per-tensor form differs on the same input (the second tensor is interpolated linearly there)
-    assert not torch.allclose(merge_slerp_per_tensor([f, g], [1.0, 3.0])[1], out[1], atol=1e-3)
+    assert not torch.allclose(merge_slerp_per_tensor([f, g], [1.0, 3.0])[1], out[1], atol=1e-3)  # tol: the forms differ by O(0.1) here
     # three models, weights 2:1:1 -> c = (1/2, 1/4, 1/4); step 1 as above with c_1 = 1/4, step 2 with c_2 = 1/4
     h = [torch.tensor([-1.0, 0.0]), torch.tensor([0.0, 0.0, 3.0])]
     c1 = 0.25
@@ -210,11 +211,11 @@ def test_merge_slerp_is_the_official_shared_angle_form():
     om2 = math.acos(cos2)
     a2, b2 = math.sin(0.75 * om2) / math.sin(om2), math.sin(0.25 * om2) / math.sin(om2)
     out3 = merge_slerp([f, g, h], [2.0, 1.0, 1.0])
-    torch.testing.assert_close(out3[0], torch.tensor([a2 * m0[0] - b2, a2 * m0[1]]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(out3[1], torch.tensor([a2 * m1[0], 0.0, 3 * b2]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out3[0], torch.tensor([a2 * m0[0] - b2, a2 * m0[1]]), atol=F32, rtol=0)
+    torch.testing.assert_close(out3[1], torch.tensor([a2 * m1[0], 0.0, 3 * b2]), atol=F32, rtol=0)
     # identical snapshots: angle 0 -> the linear form, which leaves them unchanged
     for t, b in zip(merge_slerp([f, f, f], [1.0, 1.0, 1.0]), f, strict=True):
-        torch.testing.assert_close(t, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(t, b, atol=F32, rtol=0)
 
 
 def test_slerp_trust_runs_and_differs_from_mean():

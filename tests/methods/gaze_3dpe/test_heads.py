@@ -16,6 +16,7 @@ from lowrank_lit.data.heads import (
     rotation,
     sample_params,
 )
+from tests.tolerances import F32, F32_LAYERS
 
 
 def test_renderer_is_deterministic_and_gaze_is_unit():
@@ -23,7 +24,7 @@ def test_renderer_is_deterministic_and_gaze_is_unit():
     b = render_heads(sample_params(6, "source", torch.Generator().manual_seed(3)))
     assert torch.equal(a, b) and a.shape == (6, 3, 64, 64) and a.min() >= 0 and a.max() <= 1
     p = sample_params(32, "prior", torch.Generator().manual_seed(0))
-    assert torch.allclose(head_gaze(p).norm(dim=1), torch.ones(32), atol=1e-6)
+    assert torch.allclose(head_gaze(p).norm(dim=1), torch.ones(32), atol=F32)
 
 
 def test_iris_follows_gaze_with_a_frontal_head():
@@ -47,20 +48,20 @@ def test_landmarks_affine_rotation_and_iod():
     p1, p2 = sample_params(5, "prior", g), sample_params(5, "prior", g)
     theta = p1.theta
     mix = landmarks(0.3 * p1.beta + 0.7 * p2.beta, theta, 0.3 * p1.psi + 0.7 * p2.psi)
-    assert torch.allclose(mix, 0.3 * landmarks(p1.beta, theta, p1.psi) + 0.7 * landmarks(p2.beta, theta, p2.psi), atol=1e-6)
+    assert torch.allclose(mix, 0.3 * landmarks(p1.beta, theta, p1.psi) + 0.7 * landmarks(p2.beta, theta, p2.psi), atol=F32)
     k0 = landmarks(p1.beta, torch.zeros_like(theta), p1.psi)
     k1 = landmarks(p1.beta, theta, p1.psi)
-    assert torch.allclose(torch.cdist(k0, k0), torch.cdist(k1, k1), atol=1e-5)
+    assert torch.allclose(torch.cdist(k0, k0), torch.cdist(k1, k1), atol=F32_LAYERS)
     for th, ps in ((theta, p1.psi), (p2.theta, p2.psi), (torch.zeros_like(theta), torch.zeros_like(p1.psi))):
         k = landmarks(p1.beta, th, ps)
-        assert torch.allclose((k[:, 0] - k[:, 1]).norm(dim=1), p1.beta[:, 3], atol=1e-6)
+        assert torch.allclose((k[:, 0] - k[:, 1]).norm(dim=1), p1.beta[:, 3], atol=F32)
     R = rotation(theta)
-    assert torch.allclose(R @ R.transpose(1, 2), torch.eye(3).expand(5, 3, 3), atol=1e-6)
+    assert torch.allclose(R @ R.transpose(1, 2), torch.eye(3).expand(5, 3, 3), atol=F32)
 
 
 def test_gaze_angle_round_trip_and_bad_inputs():
     ang = torch.stack([torch.linspace(-1.2, 1.2, 50), torch.linspace(-2.5, 2.5, 50)], 1)
-    assert torch.allclose(angles_from_gaze(gaze_from_angles(ang)), ang, atol=1e-6)
+    assert torch.allclose(angles_from_gaze(gaze_from_angles(ang)), ang, atol=F32)
     with pytest.raises(ValueError, match="zero norm"):
         angles_from_gaze(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="domain='mars'"):

@@ -11,6 +11,7 @@ import torch
 
 from lowrank_lit.data.cognitive import EPOCHS, TASKS, make_trials, response_accuracy
 from lowrank_lit.methods.lowrank_rnn_cl import ComposedLowRankRNN, EpochHMM
+from tests.tolerances import F64
 
 
 def _onehot(k: int, B: int, T: int, K: int) -> torch.Tensor:
@@ -99,7 +100,7 @@ def test_filtering_matches_brute_force_and_rows_sum_to_one():
     assert got.shape == (3, 3) and bool((got[:, 2] == 0).all())
     q = torch.cat([s, torch.zeros(3, 2, dtype=torch.float64)], 1)
     want = _brute_force_filter(hmm.loglik(q, 0.7, slice(0, 2)), hmm.transition_matrix("t"), hmm._initial("t"))
-    torch.testing.assert_close(got[:, :2], want, atol=1e-8, rtol=0)
+    torch.testing.assert_close(got[:, :2], want, atol=F64, rtol=0)
     lam = hmm.transition_matrix("t")
     torch.testing.assert_close(lam.sum(1), torch.ones(2, dtype=torch.float64))
     # a never-seen transition (1 -> 0) keeps only its prior mass eps / (kappa + eps)
@@ -174,7 +175,7 @@ def test_state_holding_diagnostics():
     basis = torch.randn(2, 16, generator=g)
     held = (code @ basis)[:, None].expand(n, T, 16).clone()  # the stimulus code, held through every step
     d = state_holding(held, tr["epochs"], tr["theta"])
-    assert d["hold_distance"] == pytest.approx(0.0, abs=1e-9)
+    assert d["hold_distance"] == pytest.approx(0.0, abs=F64)
     assert d["decode_delay"] == 1.0 and d["decode_transfer"] == 1.0
     # a rotation of the code during the delay: still decodable at the same step, not by the stimulus-step decoder
     m = tr["epochs"][0] == EPOCHS.index("M")
@@ -201,7 +202,7 @@ def test_hold_loss_pulls_the_memory_states_to_the_stimulus_state():
     tr = make_trials("MemoryPro", 8, torch.Generator().manual_seed(1))
     n, T = tr["epochs"].shape
     held = torch.randn(n, 1, 5).expand(n, T, 5)
-    assert float(hold_loss(held, tr["epochs"])) == pytest.approx(0.0, abs=1e-12)
+    assert float(hold_loss(held, tr["epochs"])) == pytest.approx(0.0, abs=F64)
     moved = held.clone()
     moved[:, tr["epochs"][0] == EPOCHS.index("M")] *= 2  # r_t = 2 r_S: ||r_S||^2 / ||r_S||^2 = 1
     assert float(hold_loss(moved, tr["epochs"])) == pytest.approx(1.0)
