@@ -10,6 +10,6 @@ __version__ = "0.1.0"
 #: down this list (``tests/test_structure.py`` keeps it so, function-level imports included); the
 #: single modules at the end import nothing of the package.
 LAYERS = (
-    "__main__", "cli", "launch", "methods", "peft_bench", "callbacks", "tta", "models", "data", "envs", "optim", "nn",
+    "__main__", "cli", "launch", "methods", "studies", "callbacks", "tta", "models", "data", "envs", "optim", "nn",
     "bench", "linalg", "loggers", "report", "registry", "artifacts", "checkpoint", "hub", "metrics", "seeding", "stats",
 )

@@ -7,17 +7,8 @@ Training subcommands are Lightning's own (:class:`~lowrank_lit.launch.lightning_
     lowrank validate|test|predict --config ... [--ckpt_path ...]
     lowrank fit --config configs/baseline/mlp_digits.yaml --print_config
 
-and a few of ours, which do not import Lightning until they need it::
-
-    lowrank list [SLUG]                registered methods (or one method's configs: command, needs, first)
-    lowrank sweep SWEEP.yaml           a W&B sweep file, offline with optuna
-    lowrank submit --config C.yaml     an sbatch script
-    lowrank summarize SLUG RUN_ROOT    a method's result table from its runs
-    lowrank convert vmamba --src S --out O   official VMamba weights -> this implementation's names
-    lowrank estimate --config C.yaml   memory per GPU at full size (meta device: no memory, no weights read)
-    lowrank matrix --config B.yaml --grid G.yaml   the cross product of config fragments, one table
-    lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf]   only what a run trained
-    lowrank load DIR [--out FILE.ckpt] an exported artifact applied onto its checked base
+and ours (:data:`COMMANDS`, the one table of verbs: it drives the dispatch, ``lowrank --help`` and the
+command list of docs/cli.md); none imports Lightning until it needs it, and each imports only its own module.
 
 Every run writes to ``<run_root>/<experiment>/<run_id>/`` (see :mod:`lowrank_lit.launch.run_dir`):
 the resolved ``config.yaml``, CSV metrics, checkpoints and, with ``callbacks/wandb.yaml``, the
@@ -29,7 +20,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from lowrank_lit.launch.checks import (
@@ -43,34 +35,93 @@ from lowrank_lit.launch.checks import (
     wrong_command,
 )
 
-__all__ = ["main", "methods_markdown", "method_pages_markdown", "COMMANDS", "LIGHTNING_COMMANDS"]
+__all__ = ["main", "methods_markdown", "method_pages_markdown", "Command", "COMMANDS", "top_help", "commands_markdown", "LIGHTNING_COMMANDS"]
 
 
-_TOP_HELP = """\
-usage: lowrank <command> [options]
+_LIGHTNING_HELP = {
+    "fit": "train a model: lowrank fit --config configs/baseline/mlp_digits.yaml",
+    "validate": "run the validation loop on a checkpoint (--ckpt_path)",
+    "test": "run the test loop (--ckpt_path)",
+    "predict": "run prediction (--ckpt_path)",
+}
 
-Lightning commands (LightningCLI; `lowrank <command> --help` lists every option):
-  fit        train a model:   lowrank fit --config configs/baseline/mlp_digits.yaml
-  validate   run the validation loop on a checkpoint (--ckpt_path)
-  test       run the test loop (--ckpt_path)
-  predict    run prediction (--ckpt_path)
-
-lowrank_lit commands:
-  list       show the registered methods, their kind, paper and configs (--markdown: README table);
-             lowrank list <slug>: each config's command, what it needs and what must run first
-  sweep      run a W&B sweep file offline with optuna: lowrank sweep sweeps/<slug>.yaml [--n-trials N]
-  submit     write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4
-  summarize  a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]
-  bench      every method's cost as a ratio to its baseline: lowrank bench [<slug>...] [--quick] [--device cuda]
-  matrix     a grid of config fragments x seeds, one table: lowrank matrix --config BASE.yaml --grid GRID.yaml
-  export     only what a run trained: lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR [--format peft|hf]
-  load       an exported artifact onto its checked base: lowrank load DIR [--out FILE.ckpt]
-
+_HELP_FOOTER = """
 Compose configs with repeated --config (later files win), e.g. a preset from callbacks/:
   lowrank fit --config configs/baseline/mlp_digits.yaml --config callbacks/wandb.yaml
 Override single keys with dotted flags: --trainer.max_epochs=5 --model.init_args.num_classes=10
 Runs are written to runs/<experiment>/<run_id>/ (--run_root, --experiment, --run_id).
 """
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``lowrank`` verb of ours.
+
+    Args:
+        target: ``"module:function"``; the function takes the arguments after the verb and returns the exit status.
+            Only this module is imported when the verb runs (``lowrank --help`` imports none).
+        help: what the verb does, with an example; the line of ``lowrank --help`` and of docs/cli.md.
+    """
+
+    target: str
+    help: str
+
+    def __call__(self, argv: Sequence[str]) -> int:
+        import importlib
+
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)(list(argv))
+
+
+#: every verb of ours, in the order ``lowrank --help`` lists them
+COMMANDS: dict[str, Command] = {
+    "list": Command("lowrank_lit.cli:cmd_list",
+                    "the registered methods, their kind, paper and configs (--markdown: README table); "
+                    "lowrank list <slug>: each config's command, what it needs and what must run first"),
+    "sweep": Command("lowrank_lit.launch.sweep:main",
+                     "run a W&B sweep file offline with optuna: lowrank sweep sweeps/<slug>.yaml [--n-trials N]"),
+    "submit": Command("lowrank_lit.launch.slurm:main",
+                      "write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4"),
+    "summarize": Command("lowrank_lit.launch.summarize:main",
+                         "a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]"),
+    "bench": Command("lowrank_lit.launch.bench:main",
+                     "every method's cost as a ratio to its baseline: lowrank bench [<slug>...] [--quick] [--device cuda]"),
+    "matrix": Command("lowrank_lit.launch.matrix:main",
+                      "a grid of config fragments x seeds, one table: lowrank matrix --config BASE.yaml --grid GRID.yaml"),
+    "export": Command("lowrank_lit.launch.export:main_export",
+                      "only what a run trained: lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR "
+                      "[--format native, peft, hf or factors]"),
+    "load": Command("lowrank_lit.launch.export:main_load",
+                    "an exported artifact onto its checked base: lowrank load DIR [--out FILE.ckpt]"),
+    "convert": Command("lowrank_lit.cli:cmd_convert",
+                       "released weights to this project's names: lowrank convert vmamba --src S.pth --out O.pth"),
+    "estimate": Command("lowrank_lit.launch.estimate:main",
+                        "memory per GPU at full size, on the meta device: lowrank estimate --config C.yaml"),
+}
+
+
+def top_help(width: int = 110) -> str:
+    """``lowrank --help``: the Lightning verbs and every verb of :data:`COMMANDS`, wrapped to ``width``."""
+    import textwrap
+
+    def block(title: str, rows: dict[str, str]) -> list[str]:
+        lines = [title]
+        for name, text in rows.items():
+            lines += textwrap.wrap(text, width, initial_indent=f"  {name:<10} ", subsequent_indent=" " * 13)
+        return lines
+
+    lines = ["usage: lowrank <command> [options]", ""]
+    lines += block("Lightning commands (LightningCLI; `lowrank <command> --help` lists every option):", _LIGHTNING_HELP)
+    lines += [""] + block("lowrank_lit commands:", {n: c.help for n, c in COMMANDS.items()})
+    return "\n".join(lines) + "\n" + _HELP_FOOTER
+
+
+def commands_markdown() -> str:
+    """The command list of docs/cli.md, from :data:`COMMANDS` (a test compares the page with it)."""
+    rows = ["| command | what it does |", "|---|---|"]
+    rows += [f"| `lowrank {name}` | {text} |" for name, text in _LIGHTNING_HELP.items()]
+    rows += [f"| `lowrank {name}` | {c.help} |" for name, c in COMMANDS.items()]
+    return "\n".join(rows) + "\n"
 
 
 # --------------------------------------------------------------------------- our commands
@@ -152,53 +203,11 @@ def _print_columns(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
 
 
-def cmd_sweep(argv: Sequence[str]) -> int:
-    """``lowrank sweep``: run a W&B sweep file offline with optuna."""
-    from lowrank_lit.launch.sweep import main as sweep_main
-
-    return sweep_main(list(argv))
 
 
-def cmd_submit(argv: Sequence[str]) -> int:
-    """``lowrank submit``: write and submit an sbatch script."""
-    from lowrank_lit.launch.slurm import main as submit_main
-
-    return submit_main(list(argv))
 
 
-def cmd_summarize(argv: Sequence[str]) -> int:
-    """``lowrank summarize <slug> <run-root>... [--out FILE]``: a method's result table from its runs."""
-    from lowrank_lit.report import summarize_main
 
-    return summarize_main(list(argv))
-
-
-def cmd_bench(argv: Sequence[str]) -> int:
-    """``lowrank bench [<slug>...] [--quick] [--device cpu|cuda] [--out FILE]``: cost ratios against the baselines."""
-    from lowrank_lit.launch.bench import main as bench_main
-
-    return bench_main(list(argv))
-
-
-def cmd_matrix(argv: Sequence[str]) -> int:
-    """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--jobs N]``: a grid of components, one table."""
-    from lowrank_lit.launch.matrix import main as matrix_main
-
-    return matrix_main(list(argv))
-
-
-def cmd_export(argv: Sequence[str]) -> int:
-    """``lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf]``: only what a run trained."""
-    from lowrank_lit.launch.export import main_export
-
-    return main_export(list(argv))
-
-
-def cmd_load(argv: Sequence[str]) -> int:
-    """``lowrank load DIR [--out FILE.ckpt]``: an artifact applied onto its (checked) base."""
-    from lowrank_lit.launch.export import main_load
-
-    return main_load(list(argv))
 
 
 def cmd_convert(argv: Sequence[str]) -> int:
@@ -232,21 +241,6 @@ def cmd_convert(argv: Sequence[str]) -> int:
     return 0
 
 
-def cmd_estimate(argv: Sequence[str]) -> int:
-    """``lowrank estimate --config C.yaml [overrides] [--gpu-memory GiB]``: memory per GPU at full size."""
-    from lowrank_lit.launch.estimate import main as estimate_main
-
-    return estimate_main(list(argv))
-
-
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "list": cmd_list, "sweep": cmd_sweep, "submit": cmd_submit, "summarize": cmd_summarize, "bench": cmd_bench,
-    "export": cmd_export, "load": cmd_load, "matrix": cmd_matrix,
-    "convert": cmd_convert,
-    "estimate": cmd_estimate,
-}
-
-
 
 def main(args: Sequence[str] | None = None) -> int:
     """Entry point of ``lowrank`` and ``python -m lowrank_lit``; returns the exit status.
@@ -268,7 +262,7 @@ def main(args: Sequence[str] | None = None) -> int:
 def _main(args: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if args is None else args)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_TOP_HELP, end="")
+        print(top_help(), end="")
         return 0
     if argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:])

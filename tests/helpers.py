@@ -164,8 +164,8 @@ def peft_bench_runs(names: tuple[str, ...], root: Path, seeds: tuple[int, ...] =
     Cells already finished under ``$LOWRANK_PEFT_BENCH_RUNS`` (a finished ``lowrank sweep sweeps/peft_bench.yaml``,
     e.g. the nightly's run root) are read from there; the others run here under ``root``.
     """
-    from lowrank_lit.peft_bench import method_of
     from lowrank_lit.report import read_runs
+    from lowrank_lit.studies.peft_bench import method_of
 
     def finished() -> dict[tuple[str, int], dict[str, float]]:
         roots = [r for r in (os.environ.get("LOWRANK_PEFT_BENCH_RUNS"), str(root)) if r and Path(r).is_dir()]

@@ -397,3 +397,30 @@ def test_class_help_lists_subclasses_from_every_method():
     proc = _run(["fit", "--model.help", "lowrank_lit.models.text.PromptTunedClassifier"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "lowrank_lit.methods.capt.CapsulePrompt" in proc.stdout and "lowrank_lit.methods.pt_moe.DecomposedMoEPrompt" in proc.stdout
+
+
+def test_one_command_table_drives_the_dispatch_the_help_and_the_docs():
+    """``lowrank --help`` and docs/cli.md list every verb of ``COMMANDS``; each verb's target exists (not called)."""
+    import importlib
+
+    from lowrank_lit.cli import COMMANDS, LIGHTNING_COMMANDS, commands_markdown, top_help
+
+    text = top_help()
+    for name in (*LIGHTNING_COMMANDS, *COMMANDS):
+        assert f"\n  {name} " in text, name
+    assert commands_markdown() in (ROOT / "docs" / "cli.md").read_text(), "regenerate docs/cli.md's command table"
+    for name, command in COMMANDS.items():
+        module, _, function = command.target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+
+
+def test_a_verb_imports_only_its_own_module():
+    """``lowrank list`` loads no other verb's module (``launch.sweep``, ``launch.export``, ...)."""
+    from lowrank_lit.cli import COMMANDS
+
+    others = sorted({c.target.partition(":")[0] for c in COMMANDS.values()} - {"lowrank_lit.cli"})
+    code = ("import sys, contextlib, io\nfrom lowrank_lit.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main(['list'])\n"
+            f"print(sorted(m for m in {others!r} if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"

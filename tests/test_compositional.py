@@ -127,8 +127,8 @@ def test_must_show_frozen_features_fail():
     overall, each judged by the verdict rule over the splits (holds: 56.7 +- 1.5 % overall, 48.9 +- 0.6 % and 52.8 +-
     1.1 % on order and agreement). ``python benchmarks/compositional_ceiling.py --methods head`` prints the same
     table (~1.5 min)."""
-    from lowrank_lit.peft_bench import linear_probe
     from lowrank_lit.stats import expect_verdict
+    from lowrank_lit.studies.peft_bench import linear_probe
 
     probe = [linear_probe(seed) for seed in (0, 1, 2)]
     hardest = sorted(FAMILIES, key=lambda f: _mean(probe, f))[:2]
@@ -144,8 +144,8 @@ def test_must_show_fine_tuning_solves_it():
     seeds it holds overall and on every family but negation, a tie (99.6 / 99.8 / 95.8 %: seed 2 is 0.8 points
     above the bar, and three seeds leave an interval of about +-5.6 points).
     ``python benchmarks/compositional_ceiling.py --methods fine_tune`` prints the same table (~40 min)."""
-    from lowrank_lit.peft_bench import fine_tune
     from lowrank_lit.stats import expect_verdict
+    from lowrank_lit.studies.peft_bench import fine_tune
 
     tuned = [fine_tune(seed) for seed in (0, 1, 2)]
     expect_verdict("holds", [t["overall"] for t in tuned], margin=0.95, claim="fine-tuning >= 95 % overall")

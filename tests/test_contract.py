@@ -52,7 +52,7 @@ def test_method_has_a_docs_page_with_results_and_commands(method):
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     assert any("lowrank " in b for b in blocks), f"{page.name}: no ```bash block with a lowrank command"
     for slug in re.findall(r"lowrank summarize (\w+)", text):
-        from lowrank_lit.report import get_summary
+        from lowrank_lit.launch.summarize import get_summary
 
         get_summary(slug)  # every summarize command in the docs resolves
 
@@ -266,7 +266,7 @@ def test_registered_summary_resolves(method):
     """The summary a registration names is a function of the method's own module taking (roots, out, ...)."""
     import inspect
 
-    from lowrank_lit.report import get_summary
+    from lowrank_lit.launch.summarize import get_summary
 
     summary = get_summary(method.slug)
     assert summary.fn.__module__ == method.target.rpartition(".")[0]

@@ -192,7 +192,7 @@ def test_a_swept_config_comes_first_and_a_missing_one_is_named(tmp_path):
 
 
 def test_the_benchmark_sweep_covers_every_config_and_every_table_row():
-    from lowrank_lit.peft_bench import LABELS
+    from lowrank_lit.studies.peft_bench import LABELS
 
     swept = []
     for sweep in ("peft_bench", "peft_bench_lope_steps", "peft_bench_ablations"):  # paper rows, LoPE's steps, beyond paper

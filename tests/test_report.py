@@ -44,25 +44,25 @@ def _names_summary(roots, out=None):
 
 
 def test_summarize_leaves_debug_runs_out_and_lists_them(tmp_path, monkeypatch, capsys):
-    from lowrank_lit import report
+    from lowrank_lit.launch import summarize
 
-    monkeypatch.setitem(report.BENCHMARK_SUMMARIES, "names", f"{__name__}._names_summary")
+    monkeypatch.setitem(summarize.EXTRA_STUDIES, "names", f"{__name__}._names_summary")
     _run(tmp_path, "real", {"max_epochs": 3}, [(1.0, 0.5)])
     _run(tmp_path, "smoke", {"fast_dev_run": True}, [(1.0, "")])
     _run(tmp_path, "partial", {"limit_train_batches": 2, "limit_val_batches": 2}, [(1.0, 0.1)])
     _run(tmp_path, "budget", {"limit_val_batches": 20}, [(1.0, 0.2)])  # an evaluation budget, not a smoke
-    assert report.summarize_main(["names", str(tmp_path)]) == 0
+    assert summarize.main(["names", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert out.split() == ["budget", "real"] and "left out 2 debug run(s)" in err
-    assert report.summarize_main(["names", str(tmp_path), "--include-debug"]) == 0
+    assert summarize.main(["names", str(tmp_path), "--include-debug"]) == 0
     assert capsys.readouterr().out.split() == ["budget", "partial", "real", "smoke"]
-    assert report.summarize_main(["names", str(tmp_path), "--list-debug"]) == 0
+    assert summarize.main(["names", str(tmp_path), "--list-debug"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert listed == [f"{tmp_path / 'exp' / 'partial'}  (limit_train_batches=2)", f"{tmp_path / 'exp' / 'smoke'}  (fast_dev_run=True)"]
     for name in ("real", "budget"):
         (tmp_path / "exp" / name / "config.yaml").unlink()
         (tmp_path / "exp" / name / "metrics.csv").unlink()
-    assert report.summarize_main(["names", str(tmp_path)]) == 2  # only debug runs: the error says so
+    assert summarize.main(["names", str(tmp_path)]) == 2  # only debug runs: the error says so
     assert "except 2 debug run(s)" in capsys.readouterr().err
 
 
@@ -132,7 +132,7 @@ def test_figures_have_titles_labels_and_content(tmp_path, checked_figures):
     """The figures the summaries and modules draw: the prompt-run bars (the paper's method marked, labels unbroken),
     Skrull's Gantt panels (one time axis), a one-pass TTA stream (error per corruption, not a single point)."""
     from lowrank_lit.methods.skrull import SkrullCostModel, baseline_plan, plot_plan, skrull_plan
-    from lowrank_lit.models.text import prompt_runs_table
+    from lowrank_lit.studies.prompt_runs import prompt_runs_table
     from lowrank_lit.tta.module import plot_recurrence
 
     for name, prompt, accs in (("a", None, (0.6, 0.62)), ("b", "lowrank_lit.methods.capt.CapsulePrompt", (0.8, 0.84))):
@@ -176,20 +176,20 @@ def _truncation(acc):
 
 
 def test_summarize_never_reads_another_methods_runs_and_says_so(tmp_path, capsys):
-    from lowrank_lit import report
+    from lowrank_lit.launch import summarize
 
     for seed in (0, 1):
         _config_run(tmp_path, "q3r/mlp_digits", f"s{seed}", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.9),
                     "metrics.csv": "step,test/acc\n1,0.9\n"}, seed)
     for slug in ("lope", "strank"):  # used to print a "HydraLoRA" row from these Q3R runs, or `error: 'loss'`
-        assert report.summarize_main([slug, str(tmp_path)]) == 1
+        assert summarize.main([slug, str(tmp_path)]) == 1
         err = capsys.readouterr().err.strip()
         assert err == (f"lowrank summarize {slug}: no {slug} runs under {tmp_path}; left out 2 run(s): 2 x runs of "
                        "another method (q3r)")
 
 
 def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, capsys):
-    from lowrank_lit import report
+    from lowrank_lit.launch import summarize
 
     for seed in (0, 1):
         _config_run(tmp_path, "q3r/mlp_digits", f"q{seed}", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.9)}, seed)
@@ -198,7 +198,7 @@ def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, ca
     # a sweep inside one experiment: its swept value is a column of its own
     _config_run(tmp_path, "q3r/mlp_digits", "lam", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.7)},
                 test_after_fit=False)
-    assert report.summarize_main(["q3r", str(tmp_path)]) == 0  # one folder holding both experiments
+    assert summarize.main(["q3r", str(tmp_path)]) == 0  # one folder holding both experiments
     header = capsys.readouterr().out.splitlines()[0]
     assert header == ("| keep fraction | mlp_digits test_after_fit=False (n=1) | mlp_digits test_after_fit=True (n=2) | "
                       "mlp_digits_adamw (n=2) |")  # in the order of the run folders
@@ -207,23 +207,23 @@ def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, ca
 def test_summarize_keeps_the_latest_of_repeated_evaluations_of_one_checkpoint(tmp_path, monkeypatch, capsys):
     import os
 
-    from lowrank_lit import report
+    from lowrank_lit.launch import summarize
 
-    monkeypatch.setitem(report.BENCHMARK_SUMMARIES, "names", f"{__name__}._names_summary")
+    monkeypatch.setitem(summarize.EXTRA_STUDIES, "names", f"{__name__}._names_summary")
     for i, run_id in enumerate(("first", "second", "third")):
         d = _config_run(tmp_path, "glvq/mlp_digits_2bit", run_id, "glvq/mlp_digits_2bit.yaml",
                         {"metrics.csv": "step,test/acc\n0,0.9\n"})
         os.utime(d / "metrics.csv", (1000 + i, 1000 + i))
     _config_run(tmp_path, "glvq/mlp_digits_2bit", "seed1", "glvq/mlp_digits_2bit.yaml", {"metrics.csv": "step\n0\n"}, 1)
-    assert report.summarize_main(["names", str(tmp_path)]) == 0
+    assert summarize.main(["names", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert out.split() == ["seed1", "third"]  # another seed is another evaluation; of the three, the latest
     assert "left out 2 run(s): 2 x an earlier evaluation of runs/glvq/mlp_digits_fp/fp/checkpoints/last.ckpt" in err
 
 
 def test_summarize_with_no_run_of_the_method_says_so_and_exits_1(tmp_path, capsys):
-    from lowrank_lit import report
+    from lowrank_lit.launch import summarize
 
     (tmp_path / "empty").mkdir()
-    assert report.summarize_main(["glvq", str(tmp_path / "empty")]) == 1
+    assert summarize.main(["glvq", str(tmp_path / "empty")]) == 1
     assert capsys.readouterr().err.strip() == f"lowrank summarize glvq: no glvq runs under {tmp_path / 'empty'}"

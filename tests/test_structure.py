@@ -13,7 +13,8 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 PACKAGE = ROOT / "lowrank_lit"
-SHARED = ("nn", "models", "data", "linalg", "tta", "optim", "callbacks", "report", "registry", "loggers", "envs", "checkpoint")
+SHARED = ("nn", "models", "data", "linalg", "tta", "optim", "callbacks", "report", "registry", "loggers", "envs", "checkpoint",
+          "studies")
 
 
 def _module_name(path: Path) -> str:
@@ -124,3 +125,62 @@ def test_only_the_run_api_reads_the_trainer_root_dir():
                  if "launch" not in path.relative_to(PACKAGE).parts and path.name != "report.py"
                  for i, line in enumerate(path.read_text().splitlines(), 1) if "default_root_dir" in line]
     assert not offenders, offenders
+
+
+def test_no_method_imports_another_method():
+    """One file per paper: shared pieces live below methods (nn, models, data, studies, ...), never in a method."""
+    bad = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps
+                 if m.startswith("lowrank_lit.methods.") and d.startswith("lowrank_lit.methods.")
+                 and d != "lowrank_lit.methods" and d.split(".")[2] != m.split(".")[2])
+    assert not bad, bad
+
+
+def import_strings(source: str) -> list[tuple[int, str]]:
+    """``(line, dotted path)`` of every string literal that names a lowrank_lit module or object by import path
+    (``"lowrank_lit.x.y"`` or ``"lowrank_lit.x.y:f"``), the way configs, registrations and command tables do."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value.split(":", 1)[0]
+            # a prefix ("lowrank_lit.methods.") matches class paths in run configs; it imports nothing
+            if text.startswith("lowrank_lit.") and not text.endswith(".") and not any(c in text for c in " /\n"):
+                out.append((node.lineno, text))
+    return sorted(out)
+
+
+def test_import_strings_go_down_the_package_order():
+    """A dotted path in a string is an import made later (a registration, a table of commands): it may not point
+    up the package order either, or the layering holds only for the imports the other tests can see."""
+    from lowrank_lit import LAYERS
+
+    rank = {p: i for i, p in enumerate(LAYERS)}
+    modules = set(import_graph())
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = _package(_module_name(path))
+        for line, text in import_strings(path.read_text()):
+            target = text
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            there = _package(target)
+            if here != "lowrank_lit" and there not in ("lowrank_lit", here) and rank[there] <= rank[here]:
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {text!r}")
+    assert not upward, upward
+
+
+def test_import_string_finder_finds_them():
+    src = 'X = {"a": "lowrank_lit.studies.peft_bench.summary"}\ny = "lowrank_lit.cli:main"\nz = "see lowrank_lit docs"\n'
+    src += 'w = "lowrank_lit.methods."'
+    assert import_strings(src) == [(1, "lowrank_lit.studies.peft_bench.summary"), (2, "lowrank_lit.cli")]
+
+
+def test_the_design_page_names_every_package():
+    import re
+
+    from lowrank_lit import LAYERS
+
+    text = (ROOT / "DESIGN.md").read_text()
+    block = text[text.index("```\n__main__"):]
+    block = block[: block.index("```", 3)]
+    named = {n for line in block.splitlines()[1:] for n in re.findall(r"[a-z_]+", line[:20])}
+    assert set(LAYERS) <= named, sorted(set(LAYERS) - named)

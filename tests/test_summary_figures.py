@@ -242,7 +242,7 @@ def test_every_summary_has_a_builder():
 
 @pytest.mark.parametrize("slug", SUMMARIES)
 def test_summary_figure_has_a_title_labelled_axes_and_content(slug, tmp_path, checked_figures):
-    from lowrank_lit.report import get_summary
+    from lowrank_lit.launch.summarize import get_summary
 
     roots = BUILDERS[slug](tmp_path / "runs")
     out = tmp_path / f"{slug}.png"

@@ -140,7 +140,7 @@ COLUMNS = ("test/acc", "test/acc_sentiment", "test/acc_topic", "test/anchor_shar
 
 def summary(roots: list[str], out: str | None = None) -> str:
     """Templated two-domain runs (head, PT, P-tuning v2, deep PT, instance-only, CaPT): accuracy and attention shares."""
-    from lowrank_lit.models.text import prompt_runs_table
+    from lowrank_lit.studies.prompt_runs import prompt_runs_table
 
     return prompt_runs_table(roots, COLUMNS, out=out, title="CaPT vs prompt baselines (MiniLM, 2 layers)",
                              highlight="CapsulePrompt")

@@ -359,33 +359,6 @@ def summary(roots: Sequence[str], out: str | None = None) -> str:
     return summary_table(rows)
 
 
-class _OptimizerBenchModel:
-    """One copy of the benchmark Llama with its optimizer; :meth:`step` trains it on the next batch."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], note: str) -> None:
-        self.model, self.optimizer, self.batches, self.note, self.i = model, optimizer, batches, note, 0
-
-    def step(self) -> None:
-        import torch.nn.functional as F
-
-        x, y = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        logits = self.model(x).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-
-    def matrix_state_bytes(self) -> int:
-        """Bytes of the optimizer state of the compressed (attention / MLP) matrices: the first param group."""
-        from lowrank_lit.bench import tensor_bytes
-
-        states = [self.optimizer.state[p] for p in self.optimizer.param_groups[0]["params"]]
-        # galore-torch keeps its projector matrix on a GaLoreProjector object in the state, not as a tensor
-        projectors = [v.ortho_matrix for st in states for v in st.values() if hasattr(v, "ortho_matrix")]
-        return tensor_bytes(states, projectors)
-
-
 def _galore_adamw() -> Any:
     """galore-torch's ``GaLoreAdamW`` when it is installed (the ``bench`` extra), else None."""
     import warnings
@@ -399,35 +372,13 @@ def _galore_adamw() -> Any:
     return GaLoreAdamW
 
 
-def optimizer_bench_models(ctx: Any, makers: dict[str, Any]) -> dict[str, _OptimizerBenchModel]:
-    """A byte-level Llama (d 256, 4 layers; d 64, 2 layers in quick mode) on stdlib text, one copy per optimizer
-    maker ``(param_groups) -> optimizer`` (attention / MLP matrices compressed, embeddings and head dense)."""
-    import copy
-
-    from lowrank_lit.data.text import CharTextDataModule
-    from lowrank_lit.models.lm import llama
-    from lowrank_lit.optim import matrix_param_groups
-
-    hidden, layers = ctx.size((256, 4), (64, 2))
-    torch.manual_seed(0)
-    base = llama(vocab_size=128, hidden_size=hidden, num_layers=layers, num_heads=4, intermediate_size=4 * hidden,
-                 context=64).to(ctx.device)
-    dm = CharTextDataModule(max_bytes=200_000, context=64, batch_size=16)
-    dm.setup()
-    batches = [(x.to(ctx.device), y.to(ctx.device)) for _, (x, y) in zip(range(8), dm.train_dataloader(), strict=False)]
-    note = f"Llama d {hidden}, {layers} layers, batch 16 x 64 bytes"
-    out = {}
-    for name, make in makers.items():
-        model = copy.deepcopy(base)
-        out[name] = _OptimizerBenchModel(model, make(matrix_param_groups(model, dense=["*embed*", "*lm_head*"])), batches, note)
-    return out
-
-
 def bench(ctx: Any) -> list[Any]:
     """Step time and optimizer state of importance-sampled LowRankAdam against GaLore and AdamW (``lowrank bench is_lowrank``)."""
     from lowrank_lit.bench import BenchRow, mib, ratio_row
 
     r = ctx.size(32, 8)
+    from lowrank_lit.studies.optimizer_bench import optimizer_bench_models
+
     models = optimizer_bench_models(ctx, {
         "AdamW": lambda g: torch.optim.AdamW(g, lr=1e-3),
         "GaLore": lambda g: LowRankAdam(g, lr=1e-3, rank=r, update_proj_gap=50, selector="dominant"),

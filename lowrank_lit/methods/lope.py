@@ -320,7 +320,7 @@ COLUMNS = ("test/acc", "test/poison_share_clean", "test/poison_share_noisy", "te
 
 def summary(roots: list[str], out: str | None = None) -> str:
     """Noisy templated sentiment runs (LoRA, HydraLoRA, LoPE and its ablations): clean test accuracy, B_D share."""
-    from lowrank_lit.models.text import prompt_runs_table
+    from lowrank_lit.studies.prompt_runs import prompt_runs_table
 
     return prompt_runs_table(roots, COLUMNS, out=out, title="LoPE vs LoRA / HydraLoRA on noisy training data",
                              label=_label, first="method", params=("params/adapter",))

@@ -378,7 +378,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
 def bench(ctx: Any) -> list[Any]:
     """NanoAdam's optimizer state and step time against AdamW on a byte-level Llama (``lowrank bench nanoadam``)."""
     from lowrank_lit.bench import BenchRow, mib, ratio_row
-    from lowrank_lit.methods.is_lowrank import optimizer_bench_models
+    from lowrank_lit.studies.optimizer_bench import optimizer_bench_models
 
     models = optimizer_bench_models(ctx, {"AdamW": lambda g: torch.optim.AdamW(g, lr=1e-3),
                                           "NanoAdam": lambda g: NanoAdam(g, lr=1e-3, density=0.05, mask_interval=100)})

@@ -114,7 +114,7 @@ COLUMNS = ("test/mean_domain_acc", "test/acc_sentiment", "test/acc_topic", "test
 
 def summary(roots: list[str], out: str | None = None) -> str:
     """Templated two-domain runs (PT, DPT, SMoP, PT-MoE and ablations): accuracy mean +/- std, purity, params."""
-    from lowrank_lit.models.text import prompt_runs_table
+    from lowrank_lit.studies.prompt_runs import prompt_runs_table
 
     return prompt_runs_table(roots, COLUMNS, out=out, title="PT-MoE vs prompt baselines (MiniLM, 2 layers)",
                              highlight="DecomposedMoEPrompt")

@@ -120,7 +120,7 @@ def test_baseline_configs_run(variant, tmp_path):
 
 
 def test_summary_reads_the_runs(tmp_path):
-    from lowrank_lit.report import get_summary
+    from lowrank_lit.launch.summarize import get_summary
     from tests.helpers import CONFIGS, run_cli
 
     ckpt = _encoder_ckpt(tmp_path)

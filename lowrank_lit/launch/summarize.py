@@ -1,0 +1,168 @@
+"""``lowrank summarize <slug> <run-root>...``: a method's (or a study's) result table from its runs.
+
+The summary function is the one a method registers (``register_method(..., summary=...)``) or a study's
+``summary`` (``lowrank_lit/studies/<name>.py``); the runs are read with :mod:`lowrank_lit.report`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowrank_lit.report import (
+    NoMethodRuns,
+    Run,
+    RunFilter,
+    find_runs,
+    including_debug_runs,
+    only_runs_of,
+    read_runs,
+)
+
+__all__ = ["Summary", "get_summary", "studies", "main"]
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A method's summary: ``fn(roots, out, **options) -> markdown`` plus its extra command-line options.
+
+    Attributes:
+        slug: the method's registered slug.
+        fn: reads the runs under ``roots`` (run directories or folders holding them), returns the
+            markdown table, and writes a figure to ``out`` when it is given.
+        options: extra ``--name`` options of ``lowrank summarize <slug>`` -> their default values.
+        help: one line for ``lowrank summarize --help``.
+        module: the registered method's module (its runs build its classes); None for a benchmark.
+    """
+
+    slug: str
+    fn: Callable[..., str]
+    options: dict[str, Any] = field(default_factory=dict)
+    help: str = ""
+    module: str | None = None
+
+
+def studies() -> dict[str, str]:
+    """The studies that span several methods (``lowrank_lit/studies/<name>.py`` with a ``summary`` function):
+    name -> dotted path of the summary function."""
+    import pkgutil
+
+    from lowrank_lit import studies as package
+
+    found = {}
+    for m in pkgutil.iter_modules(package.__path__):
+        source = os.path.join(package.__path__[0], f"{m.name}.py")
+        if not m.name.startswith("_") and "\ndef summary(" in open(source, encoding="utf-8").read():
+            found[m.name] = f"{package.__name__}.{m.name}.summary"
+    return found
+
+
+#: extra studies by name -> dotted path of their summary (tests add stand-ins here)
+EXTRA_STUDIES: dict[str, str] = {}
+
+
+def get_summary(slug: str) -> Summary:
+    """The summary the registration of ``slug`` names (or the study ``slug`` of :func:`studies`),
+    with its options (the function's keyword arguments after ``roots`` and ``out``, with their defaults) and its
+    help (the docstring's first line).
+
+    Raises:
+        KeyError: no method or study ``slug``, or the method names no summary (both name the ones that do).
+    """
+    import importlib
+
+    from lowrank_lit import registry
+
+    methods = {m.slug: m for m in registry.scan_methods()}
+    info = methods.get(slug)
+    known_studies = {**studies(), **EXTRA_STUDIES}
+    path = known_studies.get(slug) or (info.summary if info is not None else None)
+    if path is None:
+        known = ", ".join(sorted(s for s, m in methods.items() if m.summary)) or "(none)"
+        what = "is not a registered method" if info is None else "registers no summary"
+        raise KeyError(f"{slug!r} {what}; methods with a summary: {known}; studies: {', '.join(known_studies)}")
+    module, _, name = path.rpartition(".")
+    fn = getattr(importlib.import_module(module), name)
+    params = list(inspect.signature(fn).parameters.values())[2:]
+    options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return Summary(slug, fn, options, (fn.__doc__ or "").strip().splitlines()[0],
+                   info.target.rpartition(".")[0] if info is not None else None)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``lowrank summarize <slug> <run-root>... [--out FILE] [--<option> VALUE]``: a method's result table."""
+    import argparse
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: lowrank summarize <slug> <run-root>... [--out FILE] [method options]\n\n"
+              "Print a method's result table (markdown) from its runs; --out also writes its figure.\n"
+              "`lowrank summarize <slug> --help` lists the method's options.")
+        return 0
+    try:
+        summary = get_summary(argv[0])
+    except KeyError as exc:
+        print(f"lowrank summarize: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"lowrank summarize {summary.slug}", description=summary.help)
+    parser.add_argument("roots", nargs="+", help="run directories, or folders holding them")
+    parser.add_argument("--out", help="also write the figure to this file (PNG)")
+    for name, default in summary.options.items():
+        parser.add_argument(f"--{name}", default=default, type=type(default) if default is not None else str,
+                            help=f"default: {default}")
+    parser.add_argument("--include-debug", action="store_true",
+                        help="also use debug runs (fast_dev_run, overfit_batches, limit_train_batches), left out by default")
+    parser.add_argument("--list-debug", action="store_true", help="only list the debug runs under the roots and why")
+    args = vars(parser.parse_args(list(argv[1:])))
+    roots, out = args.pop("roots"), args.pop("out")
+    include, listing = args.pop("include_debug"), args.pop("list_debug")
+    with including_debug_runs():
+        debug = [r for r in read_runs(roots, "config.yaml", required=False) if r.debug]
+    if listing:
+        for run in debug:
+            print(f"{run}  ({run.debug_reason})")
+        print(f"{len(debug)} debug run(s)", file=sys.stderr)
+        return 0
+    from lowrank_lit.registry import project_root
+
+    run_filter = RunFilter(summary.slug, summary.module, project_root() / "configs" / summary.slug)
+    missing = [r for r in roots if not os.path.exists(r)]
+    if missing:
+        print(f"lowrank summarize {summary.slug}: error: {missing[0]!r} does not exist; give run directories or "
+              "folders holding them", file=sys.stderr)
+        return 2
+    try:
+        with including_debug_runs(include), only_runs_of(run_filter):
+            text = summary.fn(roots, out, **args)
+    except NoMethodRuns as exc:
+        print(f"lowrank summarize {summary.slug}: {exc}{_skipped_note(run_filter)}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, LookupError, ValueError) as exc:
+        if not any(run_filter.belongs(Run(d)) is None for d in find_runs(roots, "config.yaml")):
+            print(f"lowrank summarize {summary.slug}: {NoMethodRuns(summary.slug, roots)}{_skipped_note(run_filter)}",
+                  file=sys.stderr)
+            return 1
+        what = f"a run lacks {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+        print(f"lowrank summarize {summary.slug}: error: {what}", file=sys.stderr)
+        return 2
+    print(text)
+    if out:
+        print(out)
+    if run_filter.skipped:
+        print(f"lowrank summarize {summary.slug}: {_skipped_note(run_filter).removeprefix('; ')}", file=sys.stderr)
+    if debug and not include:
+        print(f"lowrank summarize: left out {len(debug)} debug run(s) (fast_dev_run, overfit_batches, limit_train_batches); "
+              "--list-debug names them, --include-debug keeps them", file=sys.stderr)
+    return 0
+
+
+def _skipped_note(run_filter: RunFilter) -> str:
+    """``"; left out 3 run(s): 2 x runs of another method (q3r), 1 x ..."`` (empty when nothing was left out)."""
+    if not run_filter.skipped:
+        return ""
+    n = sum(run_filter.skipped.values())
+    parts = ", ".join(f"{c} x {why}" for why, c in sorted(run_filter.skipped.items(), key=lambda t: -t[1]))
+    return f"; left out {n} run(s): {parts}"
