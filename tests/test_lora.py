@@ -127,3 +127,35 @@ def test_inject_and_freeze_by_pattern():
         inject_adapters(model, ["*.query"], lambda lin: LoRALinear(lin, r=2))
     with pytest.raises(ValueError, match="r=9"):
         LoRALinear(nn.Linear(8, 8), r=9)
+
+
+def test_layers_say_what_they_are_in_peft_terms_or_why_not():
+    """The export protocol (lowrank_lit.nn.export): LoRA and the plain soft prompt answer ``to_peft``, the routed
+    experts and the other prompts refuse with their reason; ``unwrap`` hands back the base, merged on request."""
+    from lowrank_lit.methods.capt import CapsulePrompt
+    from lowrank_lit.nn.export import ExportRefused, is_adapter, is_peft_exportable
+    from lowrank_lit.nn.prompts import SoftPrompt
+
+    torch.manual_seed(0)
+    lora = LoRALinear(_linear(), r=2, alpha=6.0, dropout=0.1)
+    with torch.no_grad():
+        lora.lora_B.normal_()
+    x = torch.randn(4, 16)
+    want = lora.eval()(x)
+    spec = lora.to_peft()
+    assert spec.peft_type == "LORA" and spec.config == {"r": 2, "lora_alpha": 6.0, "lora_dropout": 0.1}
+    assert torch.equal(spec.state["lora_A.weight"], lora.lora_A) and torch.equal(spec.state["lora_B.weight"], lora.lora_B)
+    assert is_adapter(lora) and lora.unwrap(merge=False) is lora.base and not lora.merged
+    base = lora.unwrap(merge=True)
+    torch.testing.assert_close(base(x), want, atol=F32, rtol=0)  # the delta folded into the weight
+    experts = AsymmetricLoRALinear(_linear(), r=2)
+    for ask in (experts.to_peft, lambda: experts.unwrap(True)):
+        with pytest.raises(ExportRefused, match="AsymmetricLoRALinear .HydraLoRA / LoPE experts"):
+            ask()
+    soft = SoftPrompt(prompt_len=3, hidden=8)
+    assert is_peft_exportable(soft) and not is_adapter(soft)
+    got = soft.to_peft()
+    assert got.peft_type == "PROMPT_TUNING" and got.config == {"num_virtual_tokens": 3}
+    assert torch.equal(got.state["prompt_embeddings"], soft.prompt_embeddings)
+    with pytest.raises(ExportRefused, match="CapsulePrompt has no peft type"):
+        CapsulePrompt(num_layers=2, hidden=8).to_peft()

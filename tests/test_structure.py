@@ -184,3 +184,17 @@ def test_the_design_page_names_every_package():
     block = block[: block.index("```", 3)]
     named = {n for line in block.splitlines()[1:] for n in re.findall(r"[a-z_]+", line[:20])}
     assert set(LAYERS) <= named, sorted(set(LAYERS) - named)
+
+
+def test_the_exporter_names_no_method_and_no_layer():
+    """launch/export.py asks the layers (``to_peft``, ``unwrap``) and callbacks (``factorize``) what they are, through
+    the protocol of lowrank_lit.nn.export: it imports no method and no layer class, so a new one needs no edit there."""
+    tree = ast.parse((PACKAGE / "launch" / "export.py").read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lowrank_lit."):
+            if node.module.startswith("lowrank_lit.methods"):
+                bad.append(node.module)
+            elif node.module.startswith("lowrank_lit.nn") and node.module != "lowrank_lit.nn.export":
+                bad += [f"{node.module}.{a.name}" for a in node.names if a.name[:1].isupper()]
+    assert not bad, bad

@@ -10,6 +10,9 @@ seed, same pretrained parts), compares it with the checkpoint and writes the ent
 (:mod:`lowrank_lit.artifacts`, the ``native`` format). Every format writes the native files, so ``lowrank load``
 and :func:`load_run_artifact` read any export; the others add:
 
+Which layer is written how is the layers' own answer (:mod:`lowrank_lit.nn.export`: ``to_peft``, ``unwrap``,
+a callback's ``factorize``); this module names no layer or method.
+
 * ``peft`` -- a LoRA (:class:`~lowrank_lit.nn.lora.LoRALinear`) on a transformers backbone as peft's own
   ``adapter_model.safetensors`` + ``adapter_config.json`` (written by ``peft``'s ``save_pretrained``), which
   ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the plain backbone. Methods without a peft type
@@ -17,9 +20,9 @@ and :func:`load_run_artifact` read any export; the others add:
 * ``hf`` -- the backbone with its LoRA merged, as a ``save_pretrained`` folder that
   ``transformers.AutoModel.from_pretrained(DIR)`` loads (refused where a merge is not possible).
 * ``factors`` (``--keep FRACTION``) -- a rank-regularised model (Q3R) truncated by SVD to two factors per target
-  Linear (:func:`lowrank_lit.methods.q3r.truncate`, :class:`~lowrank_lit.nn.lowrank_linear.LowRankLinear`):
+  Linear (the ``factorize`` of the config's callback, Q3R's :func:`~lowrank_lit.methods.q3r.truncate`):
   ``factors.safetensors`` holds the whole truncated model, ``factors.json`` the ranks per layer;
-  :func:`load_factors` rebuilds it. The targets are those a callback of the config declares as ``rank_targets``
+  :func:`load_factors` rebuilds it. The targets are those the callback declares as ``rank_targets``
   (Q3R's ``targets``) unless ``--targets`` names them.
 
 ``load`` builds the base from the artifact's own config section, checks it (shapes, and a digest of every frozen
@@ -146,72 +149,76 @@ def find_backbone(model: nn.Module) -> tuple[str, nn.Module]:
 
 
 def _unwrapped(backbone: nn.Module, merge: bool) -> tuple[nn.Module, dict[str, nn.Module]]:
-    """A copy of ``backbone`` with every adapter replaced by its base layer (merged into it when ``merge``), and the
-    adapters by name."""
-    from lowrank_lit.nn.lora import AsymmetricLoRALinear, LoRALinear
+    """A copy of ``backbone`` with every adapter (a layer with ``unwrap``, :mod:`lowrank_lit.nn.export`) replaced by
+    its base layer (merged into it when ``merge``), and the adapters by name."""
+    from lowrank_lit.nn.export import ExportRefused, is_adapter
     from lowrank_lit.nn.targets import replace_module
 
     clean = copy.deepcopy(backbone)
-    adapters = {n: m for n, m in clean.named_modules() if isinstance(m, (LoRALinear, AsymmetricLoRALinear))}
+    adapters = {n: m for n, m in clean.named_modules() if is_adapter(m)}
     for name, module in adapters.items():
-        if isinstance(module, AsymmetricLoRALinear):
-            raise ArtifactError(f"{name!r} is an AsymmetricLoRALinear (HydraLoRA / LoPE experts with a per-token "
-                                "router): neither peft nor a merged weight can express it; use --format native")
-        if merge:
-            module.merge()
-        replace_module(clean, name, module.base)
+        try:
+            replace_module(clean, name, module.unwrap(merge))
+        except ExportRefused as exc:
+            raise ArtifactError(f"{name!r} is {exc}; use --format native") from None
     return clean, adapters
 
 
-def _write_peft_prompt(prompt: nn.Module, backbone: nn.Module, out: Path) -> None:
-    """Our :class:`~lowrank_lit.nn.prompts.SoftPrompt` as peft's PROMPT_TUNING (the same forward, tested)."""
+def _write_peft_prompt(table: torch.Tensor, config: dict[str, Any], backbone: nn.Module, out: Path) -> None:
+    """A prompt's ``PROMPT_TUNING`` export (its table, ``(T, H)``) as peft writes it."""
     import peft
 
-    table = prompt.prompt_embeddings.detach()  # (T, H)
-    config = peft.PromptTuningConfig(task_type="FEATURE_EXTRACTION", num_virtual_tokens=table.shape[0])
     spec = portable_base(backbone)
     clean = copy.deepcopy(backbone)
     _name_base(clean, spec)
-    wrapped = peft.get_peft_model(clean, config)
+    wrapped = peft.get_peft_model(clean, peft.PromptTuningConfig(task_type="FEATURE_EXTRACTION", **config))
     peft.set_peft_model_state_dict(wrapped, {"prompt_embeddings": table})
     wrapped.save_pretrained(str(out))
     _write_card(out, spec, "peft")
 
 
+def _peft_exports(model: nn.Module, adapters: dict[str, nn.Module]) -> tuple[dict[str, Any], list[Any]]:
+    """What each adapter (by name) and each other layer with ``to_peft`` is in peft's terms.
+
+    Raises:
+        ArtifactError: a layer has no peft type (its reason).
+    """
+    from lowrank_lit.nn.export import ExportRefused, is_adapter, is_peft_exportable
+
+    try:
+        by_adapter = {n: m.to_peft() for n, m in adapters.items()}
+        others = [m.to_peft() for m in model.modules() if is_peft_exportable(m) and not is_adapter(m)]
+    except ExportRefused as exc:
+        raise ArtifactError(f"--format peft: {exc}; use --format native") from None
+    return by_adapter, others
+
+
 def _write_peft(model: nn.Module, out: Path) -> None:
     import peft
 
-    from lowrank_lit.nn.prompts import PromptModule, SoftPrompt
-
     name, backbone = find_backbone(model)
     clean, adapters = _unwrapped(backbone, merge=False)
-    prompts = [m for m in model.modules() if isinstance(m, PromptModule)]
-    soft = [m for m in prompts if type(m) is SoftPrompt]
-    others = [m for m in prompts if type(m) is not SoftPrompt]
-    if len(soft) == 1 and not adapters and not others:
-        return _write_peft_prompt(soft[0], clean, out)
-    if others or (soft and adapters):
-        kind = type((others or soft)[0]).__name__
-        raise ArtifactError(f"--format peft: {kind} has no peft type (peft has LoRA and plain prompt tuning, one per "
-                            "adapter); use --format native")
-    if not adapters:
+    by_adapter, others = _peft_exports(model, adapters)
+    prompts = [x for x in others if x.peft_type == "PROMPT_TUNING"]
+    if len(prompts) == 1 and not by_adapter:
+        return _write_peft_prompt(prompts[0].state["prompt_embeddings"], prompts[0].config, clean, out)
+    if prompts and by_adapter or len(prompts) > 1:
+        raise ArtifactError("--format peft: a prompt and adapters (or several prompts) have no peft type (peft has "
+                            "LoRA and plain prompt tuning, one per adapter); use --format native")
+    if not by_adapter:
         raise ArtifactError(f"--format peft: {name or 'the model'} has no LoRALinear adapters or SoftPrompt; use "
                             "--format native")
-    ranks = {m.r for m in adapters.values()}
-    alphas = {round(m.scaling * m.r, 9) for m in adapters.values()}
-    if len(ranks) != 1 or len(alphas) != 1:
-        raise ArtifactError(f"--format peft: adapters with several ranks {sorted(ranks)} / alphas {sorted(alphas)}; "
-                            "one rank and alpha are supported")
-    dropout = {float(getattr(m.lora_dropout, "p", 0.0)) for m in adapters.values()}
-    config = peft.LoraConfig(r=ranks.pop(), lora_alpha=alphas.pop(), lora_dropout=max(dropout),
-                             target_modules=sorted(adapters), bias="none")
+    settings = {k: sorted({x.config[k] for x in by_adapter.values()}) for k in ("r", "lora_alpha")}
+    if any(len(v) != 1 for v in settings.values()):
+        raise ArtifactError(f"--format peft: adapters with several ranks {settings['r']} / alphas "
+                            f"{settings['lora_alpha']}; one rank and alpha are supported")
+    config = peft.LoraConfig(r=settings["r"][0], lora_alpha=settings["lora_alpha"][0],
+                             lora_dropout=max(x.config["lora_dropout"] for x in by_adapter.values()),
+                             target_modules=sorted(by_adapter), bias="none")
     spec = portable_base(backbone)
     _name_base(clean, spec)
     wrapped = peft.get_peft_model(clean, config)
-    state = {}
-    for layer, module in adapters.items():
-        state[f"base_model.model.{layer}.lora_A.weight"] = module.lora_A.detach()
-        state[f"base_model.model.{layer}.lora_B.weight"] = module.lora_B.detach()
+    state = {f"base_model.model.{layer}.{key}": value for layer, x in by_adapter.items() for key, value in x.state.items()}
     result = peft.set_peft_model_state_dict(wrapped, state)
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
@@ -270,9 +277,9 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
 
     from lowrank_lit.launch.checks import one_line_error
 
-    # the callbacks are built only to ask which layers a rank regulariser targets (--format factors)
+    # the callbacks are built only to find the one that factorizes layers (--format factors)
     try:
-        built = build_from_config(config, verb="fit", callbacks=fmt == "factors" and not targets)
+        built = build_from_config(config, verb="fit", callbacks=fmt == "factors")
     except ArgumentError as exc:
         raise ArtifactError(f"--config={str(config)!r} does not describe a training run ({one_line_error(exc)}); "
                             "give the config of the run that trained the checkpoint") from None
@@ -318,20 +325,23 @@ def _export_factors(built: Any, trained: dict[str, torch.Tensor], base: dict[str
                     keep: float | None, targets: Sequence[str] | None, meta: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
-    from lowrank_lit.methods.q3r import truncate
-    from lowrank_lit.nn.lowrank_linear import LowRankLinear
+    from lowrank_lit.nn.lowrank_linear import factor_ranks
 
     if keep is None:
         raise ArtifactError("--format factors needs --keep FRACTION (the share of each target's parameters kept)")
-    # a callback that pulls layers towards low rank declares them as ``rank_targets`` (Q3R does)
-    patterns = list(targets or [p for cb in built.callbacks for p in getattr(cb, "rank_targets", ())])
+    # a callback that pulls layers towards low rank factorizes them (:mod:`lowrank_lit.nn.export`; Q3R does)
+    owners = [cb for cb in built.callbacks if callable(getattr(cb, "factorize", None))]
+    if not owners:
+        raise ArtifactError("--format factors: no callback of the config factorizes layers (e.g. Q3R, which declares "
+                            "rank_targets); give the config of a rank-regularised run")
+    patterns = list(targets or getattr(owners[0], "rank_targets", ()))
     if not patterns:
-        raise ArtifactError("--format factors: no callback of the config declares rank_targets (e.g. Q3R); "
-                            "name the layers with --targets")
+        raise ArtifactError("--format factors: the config's callback declares no rank_targets; name the layers with "
+                            "--targets")
     model = built.model
     model.load_state_dict({**base, **{k: v for k, v in trained.items() if k in base}})
-    truncate(model.eval(), keep, patterns)
-    ranks = {n: m.ranks for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+    owners[0].factorize(model.eval(), keep, patterns)
+    ranks = factor_ranks(model)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / FACTORS))
@@ -349,18 +359,13 @@ def load_factors(path: str | Path) -> nn.Module:
     from safetensors.torch import load_file
 
     from lowrank_lit.launch.build import build_component
-    from lowrank_lit.nn.lowrank_linear import LowRankLinear
-    from lowrank_lit.nn.targets import replace_module
+    from lowrank_lit.nn.lowrank_linear import with_factors
 
     folder = Path(path)
     if not (folder / FACTORS_META).is_file():
         raise ArtifactError(f"{str(folder)!r} holds no {FACTORS_META} (write one with lowrank export --format factors)")
     meta = json.loads((folder / FACTORS_META).read_text())
-    model = build_component("model", pl.LightningModule, meta["model"])
-    for name, ranks in meta["ranks"].items():
-        old = model.get_submodule(name)
-        rows = [old.out_features // len(ranks)] * len(ranks)
-        replace_module(model, name, LowRankLinear(old.in_features, rows, ranks, bias=old.bias is not None))
+    model = with_factors(build_component("model", pl.LightningModule, meta["model"]), meta["ranks"])
     try:
         state = load_file(str(folder / FACTORS))
     except Exception as exc:  # a truncated or foreign file: one line

@@ -416,6 +416,11 @@ class Q3R(Callback):
         :class:`TruncationEval` truncate these)."""
         return list(self.patterns)
 
+    def factorize(self, model: nn.Module, keep: float, targets: Sequence[str] | None = None) -> nn.Module:
+        """``model`` with its targets (default: :attr:`rank_targets`) truncated by SVD to two factors keeping the share
+        ``keep`` of each target's parameters (:func:`truncate`; ``lowrank export --format factors``)."""
+        return truncate(model, keep, list(targets) if targets else self.rank_targets)
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.regularizer is not None:
             return

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.nn.export import ExportRefused, PeftExport
 from lowrank_lit.nn.targets import match_modules, replace_module
 
 __all__ = [
@@ -102,6 +103,18 @@ class LoRALinear(nn.Module):
             self.base.weight -= self.delta_weight().to(self.base.weight.dtype)
             self.merged = False
 
+    def unwrap(self, merge: bool) -> nn.Module:
+        """The base layer, with ``(alpha / r) B A`` folded in when ``merge`` (:mod:`lowrank_lit.nn.export`)."""
+        if merge:
+            self.merge()
+        return self.base
+
+    def to_peft(self) -> PeftExport:
+        """peft's ``LORA``: rank, alpha and dropout, and the two factors (:mod:`lowrank_lit.nn.export`)."""
+        return PeftExport("LORA", {"r": self.r, "lora_alpha": round(self.scaling * self.r, 9),
+                                   "lora_dropout": float(getattr(self.lora_dropout, "p", 0.0))},
+                          {"lora_A.weight": self.lora_A.detach(), "lora_B.weight": self.lora_B.detach()})
+
 
 class AsymmetricLoRALinear(nn.Module):
     """Shared A, N experts ``B_i`` and a per-token router around a frozen ``nn.Linear``.
@@ -156,6 +169,17 @@ class AsymmetricLoRALinear(nn.Module):
         self.mode = "route"
         self.poison_weight = 1.0  # the poison experts' total weight in ``poison_only`` mode
         self.last_weights: torch.Tensor | None = None
+
+    #: why neither peft nor a merged weight can express this layer (:mod:`lowrank_lit.nn.export`)
+    export_refusal = "HydraLoRA / LoPE experts with a per-token router"
+
+    def unwrap(self, merge: bool) -> nn.Module:
+        raise ExportRefused(f"an {type(self).__name__} ({self.export_refusal}): neither peft nor a merged weight can "
+                            "express it")
+
+    def to_peft(self) -> PeftExport:
+        raise ExportRefused(f"an {type(self).__name__} ({self.export_refusal}): neither peft nor a merged weight can "
+                            "express it")
 
     @property
     def poison_index(self) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LowRankLinear", "svd_factorize"]
+__all__ = ["LowRankLinear", "svd_factorize", "factor_ranks", "with_factors"]
 
 
 class LowRankLinear(nn.Module):
@@ -58,3 +58,20 @@ def svd_factorize(linear: nn.Linear, row_slices: list[slice], ranks: list[int]) 
                 layer.up[k].bias.copy_(linear.bias[s])
         layer.down.weight.copy_(torch.cat(downs, dim=0))
     return layer.to(dtype=linear.weight.dtype, device=linear.weight.device)
+
+
+def factor_ranks(model: nn.Module) -> dict[str, list[int]]:
+    """``name -> ranks`` of every :class:`LowRankLinear` in ``model`` (what a ``factors`` export records)."""
+    return {n: list(m.ranks) for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+
+
+def with_factors(model: nn.Module, ranks: dict[str, list[int]]) -> nn.Module:
+    """``model`` with each Linear named in ``ranks`` replaced, in place, by an (untrained) :class:`LowRankLinear` of
+    those ranks over equal row blocks: the shape a ``factors`` export's weights are loaded into."""
+    from lowrank_lit.nn.targets import replace_module
+
+    for name, r in ranks.items():
+        old = model.get_submodule(name)
+        rows = [old.out_features // len(r)] * len(r)
+        replace_module(model, name, LowRankLinear(old.in_features, rows, list(r), bias=old.bias is not None))
+    return model

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.nn.export import ExportRefused, PeftExport
+
 __all__ = [
     "PromptModule", "SoftPrompt", "DecomposedPrompt", "SMoPPrompt", "DeepPrompt", "PromptRouter", "masked_mean",
     "svd_init_prompt", "text_matrix", "text_svd_factors", "anchor_attention_share", "describe", "ROUTING_MODES",
@@ -164,6 +166,12 @@ class PromptModule(nn.Module):
         """The parameter count of the method's formula."""
         raise NotImplementedError
 
+    def to_peft(self) -> PeftExport:
+        """This prompt in peft's terms (:mod:`lowrank_lit.nn.export`); peft has plain prompt tuning only, so every
+        prompt but :class:`SoftPrompt` is refused."""
+        raise ExportRefused(f"{type(self).__name__} has no peft type (peft has LoRA and plain prompt tuning, one per "
+                            "adapter)")
+
 
 class SoftPrompt(PromptModule):
     """Prompt tuning: T free vectors prepended to the input embeddings (``T*H`` parameters).
@@ -195,6 +203,13 @@ class SoftPrompt(PromptModule):
 
     def expected_count(self) -> int:
         return self.prompt_len * self.hidden
+
+    def to_peft(self) -> PeftExport:
+        """peft's ``PROMPT_TUNING``: the same forward (T vectors before the word embeddings), tested against peft."""
+        if type(self) is not SoftPrompt:  # a subclass that changes the forward says what it is itself
+            return super().to_peft()
+        table = self.prompt_embeddings.detach()  # (T, H)
+        return PeftExport("PROMPT_TUNING", {"num_virtual_tokens": table.shape[0]}, {"prompt_embeddings": table})
 
 
 class DecomposedPrompt(PromptModule):
