@@ -424,3 +424,23 @@ def test_a_verb_imports_only_its_own_module():
             f"print(sorted(m for m in {others!r} if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_path_templates_are_filled_in_one_place():
+    """``{seed}`` is the run seed, ``{name}`` an init argument of the same section; other text and sections stay."""
+    from jsonargparse import Namespace
+
+    from lowrank_lit.launch.checks import resolve_path_templates
+
+    cfg = Namespace(seed_everything=3, model=Namespace(class_path="m.M", init_args=Namespace(
+        pretrained="runs/pre_{torso}/seed{seed}/last.ckpt", note="{unknown} stays",
+        predictor=Namespace(class_path="m.P", init_args=Namespace(torso="lstm")))),
+        data=Namespace(class_path="d.D", init_args=Namespace(root="data/{torso}")),
+        trainer=Namespace(callbacks=Namespace(filename="{epoch}-{seed}")))
+    assert resolve_path_templates(cfg) == {"model.init_args.pretrained": "runs/pre_{torso}/seed{seed}/last.ckpt"}
+    assert cfg.model.init_args.pretrained == "runs/pre_lstm/seed3/last.ckpt"
+    assert cfg.model.init_args.note == "{unknown} stays" and cfg.data.init_args.root == "data/{torso}"  # not its section
+    assert cfg.trainer.callbacks.filename == "{epoch}-{seed}"  # only model and data arguments are filled
+    off = Namespace(seed_everything=False, model=Namespace(init_args=Namespace(source_ckpt="s{seed}.ckpt")))
+    resolve_path_templates(off)
+    assert off.model.init_args.source_ckpt == "s0.ckpt"  # seeding off: seed 0, as before

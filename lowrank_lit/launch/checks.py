@@ -174,9 +174,49 @@ def wrong_command(command: str, files: Sequence[str]) -> str | None:
     return None
 
 
+_TEMPLATE_RE = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
+
+
+def resolve_path_templates(cfg: Any) -> dict[str, str]:
+    """Fill the templates of the model's and the data's string arguments, in place, once, before anything is built
+    (the CLI puts the templates back after building, so a run's config.yaml keeps what the user wrote and runs of
+    several seeds stay one experiment).
+
+    ``{seed}`` is the run's seed (``seed_everything``, which LightningCLI has fixed by now; 0 when seeding is off);
+    ``{name}`` is the value of the init argument ``name`` of the same section (``{torso}`` in bayes_prefix's
+    ``pretrained`` is ``model.init_args.predictor.init_args.torso``). A name that is neither stays as written.
+    Per-seed checkpoints are the use: ``source_ckpt: runs/trust/source/seed{seed}/checkpoints/last.ckpt``. The run's
+    saved config.yaml holds the filled paths.
+
+    Returns:
+        ``key -> filled value`` of every argument that changed.
+    """
+    seed = cfg.get("seed_everything")
+    seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
+    leaves = dict(cfg.items())
+    filled = {}
+    for key, value in leaves.items():
+        section = key.split(".", 1)[0]
+        if section not in ("model", "data") or not isinstance(value, str) or "{" not in value:
+            continue
+
+        def field(match: re.Match[str], section: str = section) -> str:
+            name = match.group(1)
+            if name == "seed":
+                return str(seed)
+            found = [v for k, v in leaves.items() if k.startswith(section + ".") and k.endswith(f".init_args.{name}")
+                     and isinstance(v, str | int | float) and not isinstance(v, bool)]
+            return str(found[0]) if found else match.group(0)
+
+        new = _TEMPLATE_RE.sub(field, value)
+        if new != value:
+            cfg[key], filled[key] = new, value
+    return filled
+
+
 def check_input_files(cfg: Any) -> None:
     """Checkpoints a run starts from (``ckpt_path``, ``*_ckpt``, ``init_from``) must exist before anything runs
-    (``{seed}`` in a path stands for the run's ``seed_everything``).
+    (templates such as ``{seed}`` are filled first: :func:`resolve_path_templates`).
 
     Raises:
         ConfigError: naming the key, the missing file and, when a config says so in a ``# First:`` line,
@@ -187,8 +227,6 @@ def check_input_files(cfg: Any) -> None:
             continue
         if key == "ckpt_path" and value in _CKPT_KEYWORDS:
             continue
-        seed = cfg.get("seed_everything")
-        value = value.replace("{seed}", str(seed if isinstance(seed, int) and not isinstance(seed, bool) else 0))  # per-seed checkpoints
         if not Path(value).exists():
             first = prerequisite_command(cfg.get("config"))
             hint = f"; make it first with: {first}" if first else "; train that model first or fix the path"

@@ -35,6 +35,7 @@ from lowrank_lit.launch.checks import (
     is_rank_zero,
     one_line_error,
     quiet_known_noise,
+    resolve_path_templates,
     setup_error,
     stdout_is_terminal,
     wandb_online_allowed,
@@ -218,6 +219,7 @@ class LowrankCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_values(cfg, self.subcommand)  # before a run directory exists: a bad input leaves nothing behind
+        self._templates = resolve_path_templates(cfg)  # {seed}, {torso}: filled once, here; classes get plain paths
         check_input_files(cfg)
         experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
         try:  # claimed before anything is written into it (a second run on a live run's directory is refused)
@@ -359,6 +361,9 @@ class LowrankCLI(LightningCLI):
         """
         try:
             super().instantiate_classes()
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            for key, template in getattr(self, "_templates", {}).items():
+                cfg[key] = template  # config.yaml keeps the template: the seeds of a sweep stay one experiment
         except Exception as exc:
             if self.run_dir is not None:
                 self._remove_if_unstarted(self.run_dir)

@@ -62,7 +62,6 @@ from lowrank_lit.report import (
     read_runs,
     save_figure,
 )
-from lowrank_lit.seeding import run_seed
 
 __all__ = [
     "SequencePredictor", "sequence_log_loss", "cumulative_regret", "exact_prefix_curves", "exact_prefix_regret", "MetaPretrainModule",
@@ -364,9 +363,10 @@ def _load_predictor(predictor: SequencePredictor, pretrained: str | None, untrai
         warnings.warn(f"{where}: no pretrained checkpoint; tuning starts from random weights "
                       "(pass --model.init_args.pretrained=<ckpt of a MetaPretrainModule run>)", stacklevel=3)
         return
-    pretrained = pretrained.replace("{torso}", predictor.torso_kind).replace("{seed}", str(run_seed()))
     if not os.path.isfile(pretrained):
-        raise FileNotFoundError(f"{where}: pretrained={pretrained} does not exist (run a MetaPretrainModule config first)")
+        hint = ("; {torso} and {seed} are filled by lowrank fit, in Python give the path itself" if "{" in pretrained
+                else " (run a MetaPretrainModule config first)")
+        raise FileNotFoundError(f"{where}: pretrained={pretrained} does not exist{hint}")
     state = load_checkpoint(pretrained, f"{where}: pretrained")["state_dict"]
     weights = {k[len("predictor."):]: v for k, v in state.items() if k.startswith("predictor.")}
     if not weights:
@@ -379,8 +379,8 @@ class PrefixTuningModule(_CoinModule):
 
     Args:
         predictor: the network (its architecture must match the checkpoint).
-        pretrained: checkpoint of a :class:`MetaPretrainModule` run; ``{torso}`` and ``{seed}`` in the path are
-            replaced by the predictor's torso and the run seed (for sweeps); None with ``untrained=False`` starts
+        pretrained: checkpoint of a :class:`MetaPretrainModule` run (under ``lowrank``, ``{torso}`` and ``{seed}`` in
+            the path are the predictor's torso and the run seed: :func:`lowrank_lit.launch.checks.resolve_path_templates`); None with ``untrained=False`` starts
             from random weights (warning). Default: None.
         method: ``soft`` (K x E after the BOS embedding) | ``real`` (K x V before the embedding) | ``simplex``
             (K x V logits, rows softmaxed) | ``hard`` (exhaustive search over V^K token prefixes). Default: soft.

@@ -34,7 +34,6 @@ from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.stream import label_entropy
 from lowrank_lit.metrics import purity
 from lowrank_lit.report import artifact_path, log_image, may_write, new_figure, save_figure, save_rows
-from lowrank_lit.seeding import run_seed
 from lowrank_lit.tta.base import SourceData, TTAMethod
 
 __all__ = ["TTAModule", "load_backbone", "purity"]
@@ -43,7 +42,9 @@ __all__ = ["TTAModule", "load_backbone", "purity"]
 def load_backbone(model: nn.Module, ckpt_path: str, prefix: str = "backbone.") -> None:
     """Load the ``prefix``-ed weights of a Lightning checkpoint (e.g. an ``ImageClassifier``'s) into ``model``."""
     if not os.path.isfile(ckpt_path):
-        raise FileNotFoundError(f"TTAModule: source_ckpt={ckpt_path!r} does not exist (train the source model first)")
+        hint = ("; {seed} is filled by lowrank fit/test, in Python give the path itself" if "{" in ckpt_path
+                else " (train the source model first)")
+        raise FileNotFoundError(f"TTAModule: source_ckpt={ckpt_path!r} does not exist{hint}")
     state = load_checkpoint(ckpt_path, "TTAModule: source_ckpt")
     state = state.get("state_dict", state)
     sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} or state
@@ -60,8 +61,9 @@ class TTAModule(pl.LightningModule):
         model: the network (same architecture as the source run's backbone).
         method: the TTA method (``lowrank_lit.tta.Tent``, ``...EATA``, ``...CoTTA``, ``...SourceOnly``,
             ``lowrank_lit.methods.reservoir_tta.ReservoirTTA``).
-        source_ckpt: checkpoint of the source training run; ``{seed}`` in the path is replaced by the run seed
-            (sweeps over seeds); None keeps the model's weights (tests). Default: None.
+        source_ckpt: checkpoint of the source training run (under ``lowrank``, ``{seed}`` in the path is the run
+            seed, for sweeps over seeds: :func:`lowrank_lit.launch.checks.resolve_path_templates`); None keeps the
+            model's weights (tests). Default: None.
         source_batches: clean source batches given to the method at setup (EATA's Fisher, ReservoirTTA's
             source styles come from the datamodule's ``source_dataloader``). Default: True.
         reset_each_domain: return to the source weights and a fresh optimizer whenever the stream's domain
@@ -101,7 +103,7 @@ class TTAModule(pl.LightningModule):
         if self._ready:
             return
         if self.source_ckpt is not None:
-            load_backbone(self.model, self.source_ckpt.replace("{seed}", str(run_seed())))
+            load_backbone(self.model, self.source_ckpt)
         batches = None
         dm = self.trainer.datamodule if self._trainer is not None else None
         if self.use_source_batches and isinstance(dm, SourceData):
