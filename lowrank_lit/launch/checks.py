@@ -185,11 +185,10 @@ def resolve_path_templates(cfg: Any) -> dict[str, str]:
     ``{seed}`` is the run's seed (``seed_everything``, which LightningCLI has fixed by now; 0 when seeding is off);
     ``{name}`` is the value of the init argument ``name`` of the same section (``{torso}`` in bayes_prefix's
     ``pretrained`` is ``model.init_args.predictor.init_args.torso``). A name that is neither stays as written.
-    Per-seed checkpoints are the use: ``source_ckpt: runs/trust/source/seed{seed}/checkpoints/last.ckpt``. The run's
-    saved config.yaml holds the filled paths.
+    Per-seed checkpoints are the use: ``source_ckpt: runs/trust/source/seed{seed}/checkpoints/last.ckpt``.
 
     Returns:
-        ``key -> filled value`` of every argument that changed.
+        ``key -> the template as written`` of every argument that was filled.
     """
     seed = cfg.get("seed_everything")
     seed = seed if isinstance(seed, int) and not isinstance(seed, bool) else 0
