@@ -19,20 +19,18 @@ MLP_CONFIG = CONFIGS / "baseline" / "mlp_digits.yaml"
 FRAGMENT_DIRS = ("base", "debug")
 
 
-#: the header line of a config that cannot run as it is (it needs data, a model or a checkpoint):
-#: ``# ci: rehearsal (...tests/rehearsal/test_rehearsal.py::test_x)`` (run end to end with fixtures by that test, under
-#: ``pytest -m rehearsal``) or ``# ci: run by tests/<file>.py (...)`` (run by that test with the checkpoint it makes)
-CI_MARK = "# ci: "
-
-
 def experiment_configs(parse_only: bool = False) -> list[Path]:
     """Experiment configs under configs/ (fragments in base/ and debug/ excluded).
 
-    Configs with a :data:`CI_MARK` header line are parsed by the real CLI in the unit run and run end to end
-    by the test they name (``parse_only=True`` lists those, otherwise the rest, which run as they are).
+    A config that cannot run as it is (it needs data, a model or a checkpoint) names the test that runs it in its
+    ``run.tested_by`` key: ``tests/rehearsal/test_rehearsal.py::test_x`` (with fixtures, under ``pytest -m
+    rehearsal``) or ``tests/<file>.py`` (with the checkpoint that test makes). Those are parsed by the real CLI in the
+    unit run (``parse_only=True`` lists them); the rest run as they are.
     """
+    from lowrank_lit.launch.checks import config_header
+
     files = sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] not in FRAGMENT_DIRS)
-    return [p for p in files if any(ln.startswith(CI_MARK) for ln in p.read_text().splitlines()) == parse_only]
+    return [p for p in files if (config_header(p).tested_by is not None) == parse_only]
 
 
 def config_subcommand(config: Path) -> str:

@@ -84,6 +84,16 @@ CASES = [
                  "trainer.max_epochs=-3; allowed: -1 (no limit), 0 or a positive integer", id="negative-epochs"),
     pytest.param(["fit", "--config", MLP, "--trainer.max_epochs=0"], "trainer.max_epochs=0 trains nothing", id="zero-epochs"),
     pytest.param(["fit", "--config", MLP, "--trainer.max_steps=0"], "trainer.max_steps=0 trains nothing", id="zero-steps"),
+    # typed choices: the library checks them against the signature, the line names the choices
+    pytest.param(["fit", "--config", MLP, "--run.verb=train"], "run.verb='train'; allowed: fit, validate, test, predict",
+                 id="run-verb"),
+    pytest.param(["test", "--config", str(CONFIGS / "tta" / "digits_lame.yaml"), "--model.init_args.method.init_args.affinity=cosine"],
+                 "model.init_args.method.init_args.affinity='cosine'; allowed: rbf, knn, linear", id="lame-affinity"),
+    pytest.param(["test", "--config", str(CONFIGS / "glvq" / "mlp_digits_2bit.yaml"), "--trainer.callbacks.init_args.codebook=e8"],
+                 "trainer.callbacks.init_args.codebook='e8'; allowed: integer, symmetric", id="glvq-codebook"),
+    pytest.param(["fit", "--config", str(CONFIGS / "peft_bench" / "lope_noisy_noisyonly.yaml"),
+                  "--trainer.callbacks.init_args.stage1_inputs=clean"],
+                 "stage1_inputs='clean'; allowed: original_and_noisy, noisy_only", id="lope-stage1-inputs"),
     # checkpoints
     pytest.param(["fit", "--config", MLP, "--ckpt_path", "empty.ckpt"], "--ckpt_path='empty.ckpt' is empty", id="fit-empty-ckpt"),
     pytest.param(["test", "--config", MLP, "--ckpt_path", "empty.ckpt"], "--ckpt_path='empty.ckpt' is empty", id="test-empty-ckpt"),

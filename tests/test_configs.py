@@ -37,17 +37,19 @@ def test_parse_only_config_parses(config, capsys):
 
 @pytest.mark.parametrize("config", PARSE_ONLY_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_config_that_cannot_run_as_it_is_names_the_test_that_runs_it(config):
-    """``# ci: rehearsal (... <file>::<test>)`` or ``# ci: run by <file> (...)``: the named test exists and runs this file."""
+    """``run.tested_by``: ``tests/rehearsal/test_rehearsal.py::test_x`` or ``tests/<file>.py``; the named test exists
+    and runs this file."""
     import re
 
-    from tests.helpers import CI_MARK, ROOT
+    from lowrank_lit.launch.checks import config_header
+    from tests.helpers import ROOT
 
-    line = next(ln for ln in config.read_text().splitlines() if ln.startswith(CI_MARK))
+    line = config_header(config).tested_by
     rel = str(config.relative_to(CONFIGS))
-    m = re.search(r"(tests/rehearsal/test_rehearsal\.py)::(\w+)\)$", line) if "rehearsal" in line else \
-        re.match(r"# ci: run by (tests/\S+\.py) \(", line)
-    assert m, f"{rel}: header {line!r}; allowed: '# ci: rehearsal (...tests/rehearsal/test_rehearsal.py::test_x)' or " \
-              "'# ci: run by tests/<file>.py (...)'"
+    m = re.fullmatch(r"(tests/rehearsal/test_rehearsal\.py)::(\w+)", line) if "rehearsal" in line else \
+        re.fullmatch(r"(tests/\S+\.py)", line)
+    assert m, f"{rel}: run.tested_by={line!r}; allowed: 'tests/rehearsal/test_rehearsal.py::test_x' or " \
+              "'tests/<file>.py'"
     source = (ROOT / m.group(1)).read_text()
     if "rehearsal" in line:
         body = source.split(f"def {m.group(2)}(", 1)
@@ -102,3 +104,40 @@ def test_every_config_starts_with_a_run_comment():
         lines = path.read_text().splitlines()
         assert lines[0].startswith("# "), f"{path}: must start with a comment saying what it runs"
         assert any("lowrank " in ln for ln in lines if ln.startswith("#")), f"{path}: header lacks the command"
+
+
+def test_every_experiment_config_declares_how_it_is_run():
+    """The ``run:`` block, which code reads (the comment lines are for people): a verb, and what it needs and names
+    agree with the comments; a ``first`` command names a config that exists; a config that says it needs your files
+    names the rehearsal that runs it."""
+    import yaml
+
+    from lowrank_lit.launch.checks import NEEDS, RunSpec
+    from tests.helpers import ROOT
+
+    allowed = set(RunSpec.__dataclass_fields__)
+    for path in [*experiment_configs(), *PARSE_ONLY_FILES]:
+        rel = path.relative_to(ROOT)
+        run = yaml.safe_load(path.read_text()).get("run")
+        assert isinstance(run, dict) and run.get("verb") in ("fit", "validate", "test", "predict"), \
+            f"{rel}: no run.verb; allowed: fit, validate, test, predict"
+        assert set(run) <= allowed, f"{rel}: run keys {sorted(set(run) - allowed)}; allowed: {sorted(allowed)}"
+        assert set(run.get("needs") or []) <= set(NEEDS), f"{rel}: run.needs={run.get('needs')}; allowed: {NEEDS}"
+        comment = next((ln for ln in path.read_text().splitlines() if ln.startswith("# Run:")), None)
+        assert comment is None or f"lowrank {run['verb']} " in comment, f"{rel}: '# Run:' says {comment!r}, run.verb {run['verb']}"
+        if run.get("first"):
+            first = run["first"].split("--config", 1)[1].split()[0]
+            assert (ROOT / first).is_file(), f"{rel}: run.first names {first}, which does not exist"
+        if "your_files" in (run.get("needs") or []):
+            assert "tests/rehearsal/" in str(run.get("tested_by")), f"{rel}: needs your files but names no rehearsal"
+
+
+def test_a_run_block_with_a_wrong_verb_is_refused_in_one_line(tmp_path, capsys):
+    from tests.helpers import MLP_CONFIG, run_cli
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MLP_CONFIG.read_text().replace("  verb: fit", "  verb: train"))
+    assert run_cli("fit", "--config", bad, "--trainer.fast_dev_run=true", run_root=tmp_path / "runs") == 2
+    err = capsys.readouterr().err
+    assert "run.verb" in err and "train" in err, err
+    assert not (tmp_path / "runs").exists()

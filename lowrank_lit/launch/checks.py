@@ -19,15 +19,16 @@ import shlex
 import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 __all__ = [
     "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "prerequisite_command", "quiet_known_noise",
-    "resume_command", "stdout_is_terminal", "wandb_online_allowed",
+    "resume_command", "stdout_is_terminal", "wandb_online_allowed", "RunSpec", "NEEDS", "ConfigHeader", "config_header",
+    "resolve_path_templates",
 ]
 
 
@@ -97,11 +98,10 @@ PRUNE_ENV = "LOWRANK_SWEEP_PRUNE"
 #: ckpt_path values Lightning resolves itself (not file names)
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 _INPUT_KEY_RE = re.compile(r"(^|\.)(ckpt_path|[a-z_]*_ckpt|init_from)$")
-_FIRST_RE = re.compile(r"^#\s*First:\s*(lowrank\s+\S+\s+--config\s+\S+)")
 
 
 def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
-    """The ``# First: lowrank fit --config ...`` line of the first ``--config`` file that has one."""
+    """The ``run.first`` command of the first ``--config`` file that declares one."""
     for p in config_paths or []:
         try:
             first = config_header(Path(str(getattr(p, "relative", p)))).first
@@ -112,52 +112,82 @@ def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
     return None
 
 
-_RUN_RE = re.compile(r"^#\s*Run:\s*lowrank\s+(\w+)\b")
-_CI_REHEARSAL_RE = re.compile(r"^#\s*ci:\s*rehearsal\s*\((.*)")
-_ACCEL_RE = re.compile(r"^\s+accelerator:\s*(gpu|cuda)\b", re.MULTILINE)
+#: what a user may need beyond this checkout (a config's ``run.needs``)
+NEEDS = ("gpu", "your_files")
+
+
+@dataclass
+class RunSpec:
+    """How a config is run: its ``run:`` block, which the CLI parses like ``experiment`` and ``run_root``, and which
+    ``lowrank fit`` (is this a training config?), its hints (what must run first), ``lowrank list`` and the tests read.
+
+    Args:
+        verb: the ``lowrank`` command that runs the config: ``fit`` trains; ``test`` evaluates (a test-time method, a
+            bound, a quantized model); ``predict``; ``validate``.
+        first: the command that makes what the config starts from (a source model, a pretrained encoder), e.g.
+            ``lowrank fit --config configs/tta/source_bn_cnn_digits.yaml``; None: nothing.
+        needs: what a user must have beyond this checkout: ``gpu``, ``your_files`` (data, weights or checkpoints you
+            bring; CI rehearses such a config with fixtures).
+        tested_by: the test that runs the config end to end when it cannot run as it is (it needs a checkpoint that
+            test makes, or your files): ``tests/<file>.py`` or ``tests/rehearsal/test_rehearsal.py::test_x``; None:
+            CI runs it as it is.
+    """
+
+    verb: Literal["fit", "validate", "test", "predict"] = "fit"
+    first: str | None = None
+    needs: list[Literal["gpu", "your_files"]] = field(default_factory=list)
+    tested_by: str | None = None
 
 
 @dataclass(frozen=True)
 class ConfigHeader:
-    """What a config's leading ``#`` lines (and its trainer's accelerator) say about running it.
+    """What a config's ``run:`` block (and its trainer's accelerator) says about running it.
 
     Attributes:
-        command: the ``lowrank`` subcommand of its ``# Run:`` line (``fit``, ``test``, ...), or None.
-        first: the ``# First: lowrank fit --config ...`` command that makes what it starts from, or None.
-        your_data: it reads files you bring (a ``# ci: rehearsal (...)`` config: real data, weights or checkpoints).
-        gpu: it asks for a GPU (``accelerator: gpu``/``cuda``, or its rehearsal line says GPU).
+        command: ``run.verb`` (``fit``, ``test``, ...), or None when the file declares none (a fragment).
+        first: ``run.first``, the command that makes what it starts from, or None.
+        your_data: it reads files you bring (``your_files`` in ``run.needs``).
+        gpu: it asks for a GPU (``gpu`` in ``run.needs``, or ``trainer.accelerator`` gpu / cuda).
+        tested_by: ``run.tested_by``, the test that runs it end to end when it cannot run as it is, or None.
     """
 
     command: str | None
     first: str | None
     your_data: bool
     gpu: bool
+    tested_by: str | None = None
 
     def needs(self) -> str:
         """``"GPU, your files"``, ``"your files"``, ... or ``"-"``."""
         return ", ".join([*(["GPU"] if self.gpu else []), *(["your files"] if self.your_data else [])]) or "-"
 
 
+def _top_level_block(text: str, key: str) -> str:
+    """The lines of the top-level mapping ``key:`` of a YAML text (its key line and the indented lines after it)."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(f"{key}:")), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i][:1] not in ("", " ", "#")), len(lines))
+    return "\n".join(lines[start:end])
+
+
 def config_header(path: str | Path) -> ConfigHeader:
-    """Read :class:`ConfigHeader` from a config file (text only: no YAML parser, no torch)."""
+    """Read :class:`ConfigHeader` from a config file's ``run:`` block and ``trainer.accelerator`` (only those two
+    blocks are parsed, with PyYAML: ``lowrank list`` reads every config; no torch, no Lightning)."""
+    import yaml
+
     text = Path(path).read_text()
-    command = first = None
-    rehearsal = ""
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        if (m := _RUN_RE.match(line)) and command is None:
-            command = m.group(1)
-        elif (m := _FIRST_RE.match(line)) and first is None:
-            first = m.group(1)
-        elif m := _CI_REHEARSAL_RE.match(line):
-            rehearsal = m.group(1)
-    gpu = bool(_ACCEL_RE.search(text)) or "GPU" in rehearsal
-    return ConfigHeader(command, first, bool(rehearsal), gpu)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    run = (yaml.load(_top_level_block(text, "run"), Loader=loader) or {}).get("run") or {}
+    trainer = (yaml.load(_top_level_block(text, "trainer"), Loader=loader) or {}).get("trainer") or {}
+    needs = run.get("needs") or []
+    gpu = "gpu" in needs or str(trainer.get("accelerator")) in ("gpu", "cuda")
+    return ConfigHeader(run.get("verb"), run.get("first"), "your_files" in needs, gpu, run.get("tested_by"))
 
 
 def wrong_command(command: str, files: Sequence[str]) -> str | None:
-    """The one-line error for ``lowrank fit`` on a config that evaluates (its ``# Run:`` line says ``test`` or
+    """The one-line error for ``lowrank fit`` on a config that evaluates (its ``run.verb`` is ``test`` or
     ``predict``: a test-time method, a detector, a bound), else None. ``validate``/``test``/``predict`` on a training
     config are fine (they evaluate its checkpoint)."""
     for f in files:
@@ -218,7 +248,7 @@ def check_input_files(cfg: Any) -> None:
     (templates such as ``{seed}`` are filled first: :func:`resolve_path_templates`).
 
     Raises:
-        ConfigError: naming the key, the missing file and, when a config says so in a ``# First:`` line,
+        ConfigError: naming the key, the missing file and, when a config says so in its ``run.first``,
             the command that makes it.
     """
     for key, value in cfg.items():
@@ -345,6 +375,7 @@ _CLASS_RE = re.compile(r"Problem with given class_path '([^']+)'")
 _OPTION_RE = re.compile(r"Option '([^']+)' is not accepted")
 _EXPECTED_RE = re.compile(r"Expected an? <class '([^']+)'>")
 _GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
+_LITERAL_RE = re.compile(r"Expected an? typing\.Literal\[(.*?)\]")
 _UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
 _NOT_ACCEPTED_RE = re.compile(r"does not accept option '([^']+)'")
 _IMPORT_FAIL_RE = re.compile(r"No module named|has no attribute|cannot import|Import path|not a (class|subclass)|does not exist")
@@ -396,6 +427,12 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
         return f"unknown key {name.lstrip('-')!r}" + (f"; did you mean {match}?" if match else "; `--help` lists the keys")
     if lines[0].startswith('Parser key "config"') and len(lines) > 1:
         return f"--config: {lines[1]}"
+    literal = next((i for i, ln in enumerate(lines) if _LITERAL_RE.search(ln)), None)
+    if literal is not None:  # a typed choice (in any branch of a union): the library checked it, we name the choices
+        parts = [m.group(1) for ln in lines[:literal] if (m := _KEY_RE.search(ln))]
+        choices = ", ".join(c.strip().strip("'\"") for c in _LITERAL_RE.search(lines[literal]).group(1).split(","))
+        got = _GOT_RE.search(lines[literal])
+        return f"{'.init_args.'.join(parts)}{f'={got.group(1)!r}' if got else ''}; allowed: {choices}"
     key_parts: list[str] = []
     cls = None
     for i, ln in enumerate(lines):

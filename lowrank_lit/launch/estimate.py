@@ -277,7 +277,7 @@ def _root_message(exc: BaseException) -> str:
         named = f" {names[0]!r}" if names else ""
         return (f"the model or tokenizer{named} is neither a local folder nor in the local Hugging Face cache "
                 "(lowrank estimate reads local files only): give the local folder that holds its config.json, as the "
-                "config's '# Run:' line shows (e.g. --model.init_args.backbone=/models/...)")
+                "config's header shows (e.g. --model.init_args.backbone=/models/...)")
     for line in text.splitlines():
         if line.strip().startswith("- ") and "Expected a <class 'NoneType'>" not in line:
             return line.strip()[2:]

@@ -28,6 +28,7 @@ from lowrank_lit.launch.checks import (
     LIGHTNING_COMMANDS,
     PRUNE_ENV,
     ConfigError,
+    RunSpec,
     check_input_files,
     check_values,
     experiment_from_configs,
@@ -133,6 +134,8 @@ class LowrankCLI(LightningCLI):
             raise ConfigError(one_line_error(exc, sub)) from exc
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        # how the config is run (its verb, what must run first, what it needs): read by lowrank and the tests
+        parser.add_dataclass_arguments(RunSpec, "run")
         parser.add_argument(
             "--experiment",
             type=str | None,
