@@ -55,6 +55,14 @@ def test_the_bn_cnn_findings_match_the_online_error_table():
     # mixed domains hurt Tent most among the batch-statistics methods, and the reservoir brings it back
     mixed = {m: err[(m, "plain", "mixed")] for m in ("bn", "tent", "eata", "sar", "cotta")}
     assert max(mixed, key=mixed.get) == "tent" and err[("tent", "reservoir", "mixed")] < mixed["tent"], mixed
+    # RoTTA is the best plain method on the correlated stream; LAME is worse than the source model on every stream
+    plain_corr = {m: err[(m, "plain", "correlated")] for m in ("source", "bn", "tent", "eata", "cotta", "sar", "rotta", "lame")}
+    assert min(plain_corr, key=plain_corr.get) == "rotta", plain_corr
+    assert all(err[("lame", "plain", s)] > err[("source", "plain", s)] for s in ("csc", "cdc", "mixed", "correlated", "gradual"))
+    # the reservoir's gains around RoTTA, as quoted: each one printed, large on csc, cdc and correlated, small elsewhere
+    gain = {s: err[("rotta", "plain", s)] - err[("rotta", "reservoir", s)] for s in ("csc", "cdc", "mixed", "correlated", "gradual")}
+    assert all(f"{gain[s]:.3f}" in findings for s in ("csc", "cdc", "correlated")), gain
+    assert min(gain["csc"], gain["cdc"], gain["correlated"]) > 10 * max(gain["mixed"], gain["gradual"]), gain
 
 
 def test_the_layernorm_findings_match_their_table():
