@@ -16,7 +16,7 @@ import pytest
 from lowrank_lit.launch.run_dir import CLAIM_FILE, RunDirError, claim_run_dir, release_claims, resolve_run_dir
 from tests.helpers import MLP_CONFIG
 
-FIT = ["fit", "--config", str(MLP_CONFIG), "--trainer.max_epochs=1", "--test_after_fit=false", "--run_id", "X",
+FIT = ["fit", "--config", str(MLP_CONFIG), "--trainer.max_epochs=3", "--test_after_fit=false", "--run_id", "X",
        "--run_root", "runs"]
 ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
 
@@ -31,7 +31,8 @@ def _files(run: Path) -> dict[str, bytes]:
 
 
 def test_two_runs_started_together_on_one_run_id_one_runs_alone_the_other_is_refused(tmp_path):
-    """Ten times: two `lowrank fit --run_id X` processes started at once; one runs and its files are byte-identical to
+    """Ten times: two `lowrank fit --run_id X` processes started at once (three epochs, so the first is still live when
+    the second starts on a loaded machine); one runs and its files are byte-identical to
     a solo run's, the other is refused in one line naming the live run (host, pid) and writes nothing."""
     solo = tmp_path / "solo"
     solo.mkdir()

@@ -359,31 +359,18 @@ def summary(roots: Sequence[str], out: str | None = None) -> str:
     return summary_table(rows)
 
 
-def _galore_adamw() -> Any:
-    """galore-torch's ``GaLoreAdamW`` when it is installed (the ``bench`` extra), else None."""
-    import warnings
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from galore_torch import GaLoreAdamW
-    except Exception:  # not installed, or its bitsandbytes import fails on this machine
-        return None
-    return GaLoreAdamW
-
-
 def bench(ctx: Any) -> list[Any]:
     """Step time and optimizer state of importance-sampled LowRankAdam against GaLore and AdamW (``lowrank bench is_lowrank``)."""
     from lowrank_lit.bench import BenchRow, mib, ratio_row
 
     r = ctx.size(32, 8)
-    from lowrank_lit.studies.optimizer_bench import optimizer_bench_models
+    from lowrank_lit.studies.optimizer_bench import galore_adamw, optimizer_bench_models
 
     models = optimizer_bench_models(ctx, {
         "AdamW": lambda g: torch.optim.AdamW(g, lr=1e-3),
         "GaLore": lambda g: LowRankAdam(g, lr=1e-3, rank=r, update_proj_gap=50, selector="dominant"),
         "importance": lambda g: LowRankAdam(g, lr=1e-3, rank=r, update_proj_gap=50, selector="importance", seed=0)})
-    peer = _galore_adamw()
+    peer = galore_adamw()
     if peer is not None:  # galore-torch installed (pip install lowrank_lit[bench]): the reference implementation
         models.update(optimizer_bench_models(ctx, {"galore-torch": lambda g: peer(
             [{"params": g[0]["params"], "rank": r, "update_proj_gap": 50, "scale": 0.25, "proj_type": "std"},

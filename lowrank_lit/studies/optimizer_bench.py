@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerBenchModel", "optimizer_bench_models"]
+__all__ = ["OptimizerBenchModel", "optimizer_bench_models", "galore_adamw"]
 
 
 class OptimizerBenchModel:
@@ -37,7 +37,7 @@ class OptimizerBenchModel:
         return tensor_bytes(states, projectors)
 
 
-def _galore_adamw() -> Any:
+def galore_adamw() -> Any:
     """galore-torch's ``GaLoreAdamW`` when it is installed (the ``bench`` extra), else None."""
     import warnings
 
