@@ -548,7 +548,7 @@ def test_must_show_batch_statistics_fail_under_label_correlation_and_source_igno
     err = _stream_errors(tmp_path, methods, ["csc", "correlated"], [0, 1, 2])
     # the source model's orders over six seeds (no adaptation: seconds per run); at three the CDC stream's spread
     # (0.807-0.826) leaves "within 2 points" undecided, interval [-0.025, +0.020]
-    source = _stream_errors(tmp_path, {"source": methods["source"]}, ["csc", "cdc", "mixed", "correlated"], [0, 1, 2, 3, 4, 5])
+    source = _stream_errors(tmp_path, {"orders": methods["source"]}, ["csc", "cdc", "mixed", "correlated"], [0, 1, 2, 3, 4, 5])
     print(err)
     # per seed: the error on the label-correlated stream minus the error on CSC
     drop = {m: [a - b for a, b in zip(err[(m, "correlated")], err[(m, "csc")], strict=True)] for m in methods}
@@ -558,7 +558,7 @@ def test_must_show_batch_statistics_fail_under_label_correlation_and_source_igno
     for robust in ("lame", "rotta"):
         expect_verdict("holds", worst, drop[robust], claim=f"{robust} loses less than Tent and BN statistics")
     for stream in ("cdc", "mixed", "correlated"):  # within 2 points: two one-sided claims
-        src, csc = source[("source", stream)], source[("source", "csc")]
+        src, csc = source[("orders", stream)], source[("orders", "csc")]
         expect_verdict("holds", src, csc, margin=-0.02, claim=f"source error on {stream} > CSC - 0.02")
         expect_verdict("holds", csc, src, margin=-0.02, claim=f"source error on {stream} < CSC + 0.02")
 
