@@ -203,13 +203,6 @@ def _print_columns(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
 
 
-
-
-
-
-
-
-
 def cmd_convert(argv: Sequence[str]) -> int:
     """``lowrank convert vmamba --src official.pth --out converted.pth [--depths 2 2 8 2]``."""
     import argparse
@@ -239,7 +232,6 @@ def cmd_convert(argv: Sequence[str]) -> int:
     torch.save(converted, opts.out)
     print(f"{len(converted)} tensors -> {opts.out} (TinyVMamba names; give it as source_ckpt)")
     return 0
-
 
 
 def main(args: Sequence[str] | None = None) -> int:

@@ -464,5 +464,3 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> str:
     plt.close(fig)
     return str(path)
 
-
-# --------------------------------------------------------------------------------------- summaries

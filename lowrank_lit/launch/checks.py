@@ -21,19 +21,20 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from urllib.parse import urlparse
 
 __all__ = [
     "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
-    "interrupted_message", "is_rank_zero", "one_line_error", "prerequisite_command", "quiet_known_noise",
+    "interrupted_message", "is_rank_zero", "one_line_error", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed", "RunSpec", "NEEDS", "ConfigHeader", "config_header",
     "resolve_path_templates",
 ]
 
 
-#: the subcommands LightningCLI provides
-LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+#: the subcommands LightningCLI provides (a config's ``run.verb`` is one of them)
+Verb = Literal["fit", "validate", "test", "predict"]
+LIGHTNING_COMMANDS: tuple[str, ...] = get_args(Verb)
 
 
 # --------------------------------------------------------------------------- W&B helpers
@@ -100,20 +101,9 @@ _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 _INPUT_KEY_RE = re.compile(r"(^|\.)(ckpt_path|[a-z_]*_ckpt|init_from)$")
 
 
-def prerequisite_command(config_paths: Sequence[Any] | None) -> str | None:
-    """The ``run.first`` command of the first ``--config`` file that declares one."""
-    for p in config_paths or []:
-        try:
-            first = config_header(Path(str(getattr(p, "relative", p)))).first
-        except OSError:
-            continue
-        if first:
-            return first
-    return None
-
-
 #: what a user may need beyond this checkout (a config's ``run.needs``)
-NEEDS = ("gpu", "your_files")
+Need = Literal["gpu", "your_files"]
+NEEDS: tuple[str, ...] = get_args(Need)
 
 
 @dataclass
@@ -133,9 +123,9 @@ class RunSpec:
             CI runs it as it is.
     """
 
-    verb: Literal["fit", "validate", "test", "predict"] = "fit"
+    verb: Verb = "fit"
     first: str | None = None
-    needs: list[Literal["gpu", "your_files"]] = field(default_factory=list)
+    needs: list[Need] = field(default_factory=list)
     tested_by: str | None = None
 
 
@@ -229,7 +219,7 @@ def resolve_path_templates(cfg: Any) -> dict[str, str]:
         if section not in ("model", "data") or not isinstance(value, str) or "{" not in value:
             continue
 
-        def field(match: re.Match[str], section: str = section) -> str:
+        def fill(match: re.Match[str], section: str = section) -> str:
             name = match.group(1)
             if name == "seed":
                 return str(seed)
@@ -237,7 +227,7 @@ def resolve_path_templates(cfg: Any) -> dict[str, str]:
                      and isinstance(v, str | int | float) and not isinstance(v, bool)]
             return str(found[0]) if found else match.group(0)
 
-        new = _TEMPLATE_RE.sub(field, value)
+        new = _TEMPLATE_RE.sub(fill, value)
         if new != value:
             cfg[key], filled[key] = new, value
     return filled
@@ -257,7 +247,7 @@ def check_input_files(cfg: Any) -> None:
         if key == "ckpt_path" and value in _CKPT_KEYWORDS:
             continue
         if not Path(value).exists():
-            first = prerequisite_command(cfg.get("config"))
+            first = cfg.get("run.first")
             hint = f"; make it first with: {first}" if first else "; train that model first or fix the path"
             raise ConfigError(f"{key}={value!r} does not exist{hint}")
 

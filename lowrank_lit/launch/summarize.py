@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lowrank_lit.report import (
@@ -53,12 +54,9 @@ def studies() -> dict[str, str]:
 
     from lowrank_lit import studies as package
 
-    found = {}
-    for m in pkgutil.iter_modules(package.__path__):
-        source = os.path.join(package.__path__[0], f"{m.name}.py")
-        if not m.name.startswith("_") and "\ndef summary(" in open(source, encoding="utf-8").read():
-            found[m.name] = f"{package.__name__}.{m.name}.summary"
-    return found
+    folder = Path(package.__path__[0])
+    return {m.name: f"{package.__name__}.{m.name}.summary" for m in pkgutil.iter_modules(package.__path__)
+            if not m.name.startswith("_") and "\ndef summary(" in (folder / f"{m.name}.py").read_text(encoding="utf-8")}
 
 
 #: extra studies by name -> dotted path of their summary (tests add stand-ins here)

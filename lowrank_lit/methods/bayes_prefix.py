@@ -380,8 +380,9 @@ class PrefixTuningModule(_CoinModule):
     Args:
         predictor: the network (its architecture must match the checkpoint).
         pretrained: checkpoint of a :class:`MetaPretrainModule` run (under ``lowrank``, ``{torso}`` and ``{seed}`` in
-            the path are the predictor's torso and the run seed: :func:`lowrank_lit.launch.checks.resolve_path_templates`); None with ``untrained=False`` starts
-            from random weights (warning). Default: None.
+            the path are the predictor's torso and the run seed:
+            :func:`lowrank_lit.launch.checks.resolve_path_templates`); None with ``untrained=False`` starts from
+            random weights (warning). Default: None.
         method: ``soft`` (K x E after the BOS embedding) | ``real`` (K x V before the embedding) | ``simplex``
             (K x V logits, rows softmaxed) | ``hard`` (exhaustive search over V^K token prefixes). Default: soft.
         prefix_len: K (>= 0; 0 is the untouched network). Default: 6.

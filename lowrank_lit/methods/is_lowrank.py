@@ -362,10 +362,9 @@ def summary(roots: Sequence[str], out: str | None = None) -> str:
 def bench(ctx: Any) -> list[Any]:
     """Step time and optimizer state of importance-sampled LowRankAdam against GaLore and AdamW (``lowrank bench is_lowrank``)."""
     from lowrank_lit.bench import BenchRow, mib, ratio_row
-
-    r = ctx.size(32, 8)
     from lowrank_lit.studies.optimizer_bench import galore_adamw, optimizer_bench_models
 
+    r = ctx.size(32, 8)
     models = optimizer_bench_models(ctx, {
         "AdamW": lambda g: torch.optim.AdamW(g, lr=1e-3),
         "GaLore": lambda g: LowRankAdam(g, lr=1e-3, rank=r, update_proj_gap=50, selector="dominant"),

@@ -173,13 +173,15 @@ class AsymmetricLoRALinear(nn.Module):
     #: why neither peft nor a merged weight can express this layer (:mod:`lowrank_lit.nn.export`)
     export_refusal = "HydraLoRA / LoPE experts with a per-token router"
 
+    def _refused(self) -> ExportRefused:
+        return ExportRefused(f"an {type(self).__name__} ({self.export_refusal}): neither peft nor a merged weight can "
+                             "express it")
+
     def unwrap(self, merge: bool) -> nn.Module:
-        raise ExportRefused(f"an {type(self).__name__} ({self.export_refusal}): neither peft nor a merged weight can "
-                            "express it")
+        raise self._refused()
 
     def to_peft(self) -> PeftExport:
-        raise ExportRefused(f"an {type(self).__name__} ({self.export_refusal}): neither peft nor a merged weight can "
-                            "express it")
+        raise self._refused()
 
     @property
     def poison_index(self) -> list[int]:
