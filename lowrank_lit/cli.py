@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from lowrank_lit.launch.checks import (
     LIGHTNING_COMMANDS,
@@ -58,19 +59,31 @@ class Command:
     """One ``lowrank`` verb of ours.
 
     Args:
-        target: ``"module:function"``; the function takes the arguments after the verb and returns the exit status.
-            Only this module is imported when the verb runs (``lowrank --help`` imports none).
+        target: ``"module:function"``, a typed verb (:mod:`lowrank_lit.launch.verbs`): its signature and docstring
+            are the verb's arguments and help, and it returns the exit status. Only this module is imported when
+            the verb runs (``lowrank --help`` imports none).
         help: what the verb does, with an example; the line of ``lowrank --help`` and of docs/cli.md.
+        options_from: ``"module:function"`` for a verb with ``**options``: called with the first positional word,
+            it returns the function whose keyword arguments are options too.
     """
 
     target: str
     help: str
+    options_from: str | None = None
 
-    def __call__(self, argv: Sequence[str]) -> int:
-        import importlib
+    def __call__(self, argv: Sequence[str], name: str = "") -> int:
+        from lowrank_lit.launch.verbs import call
 
-        module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)(list(argv))
+        more = _resolve(self.options_from) if self.options_from else None
+        return call(_resolve(self.target), argv, f"lowrank {name}".rstrip(), options_from=more)
+
+
+def _resolve(target: str) -> Any:
+    """The object ``"module:name"`` names (the module imported now)."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 #: every verb of ours, in the order ``lowrank --help`` lists them
@@ -83,7 +96,8 @@ COMMANDS: dict[str, Command] = {
     "submit": Command("lowrank_lit.launch.slurm:main",
                       "write and submit an sbatch script: lowrank submit --config C.yaml --nodes 2 --gpus-per-node 4"),
     "summarize": Command("lowrank_lit.launch.summarize:main",
-                         "a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]"),
+                         "a method's result table from its runs: lowrank summarize <slug> <run-root>... [--out plot.png]",
+                         options_from="lowrank_lit.launch.summarize:summary_options"),
     "bench": Command("lowrank_lit.launch.bench:main",
                      "every method's cost as a ratio to its baseline: lowrank bench [<slug>...] [--quick] [--device cuda]"),
     "matrix": Command("lowrank_lit.launch.matrix:main",
@@ -151,30 +165,29 @@ def method_pages_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def cmd_list(argv: Sequence[str]) -> int:
-    """``lowrank list [SLUG] [--markdown]``: one row per registered method, or one per config of method SLUG."""
-    import argparse
+def cmd_list(slug: str | None = None, *, markdown: bool = False, pages: bool = False) -> int:
+    """List the registered methods: one row per method, or one per config of method SLUG.
 
+    Args:
+        slug: a method: list its configs, the command each runs with, what each needs (GPU, your files) and what
+            must run first
+        markdown: print the README's markdown table
+        pages: print the README's list of method pages
+    """
     from lowrank_lit import registry
     from lowrank_lit.launch.checks import config_header
 
-    parser = argparse.ArgumentParser(prog="lowrank list", description="List the registered methods.")
-    parser.add_argument("slug", nargs="?", help="a method: list its configs, the command each runs with, what each "
-                        "needs (GPU, your files) and what must run first")
-    parser.add_argument("--markdown", action="store_true", help="print the README's markdown table")
-    parser.add_argument("--pages", action="store_true", help="print the README's list of method pages")
-    opts = parser.parse_args(list(argv))
-    if opts.pages:
+    if pages:
         print(method_pages_markdown(), end="")
         return 0
-    if opts.markdown:
+    if markdown:
         print(methods_markdown(), end="")
         return 0
     methods = registry.scan_methods()  # from the source files: no torch, no Lightning
-    if opts.slug is not None:
-        info = next((m for m in methods if m.slug == opts.slug), None)
+    if slug is not None:
+        info = next((m for m in methods if m.slug == slug), None)
         if info is None:
-            print(f"lowrank list: error: slug={opts.slug!r} is not a registered method; choose from "
+            print(f"lowrank list: error: slug={slug!r} is not a registered method; choose from "
                   f"{', '.join(m.slug for m in methods)}", file=sys.stderr)
             return 2
         rows = [("config", "command", "needs", "first")]
@@ -203,34 +216,33 @@ def _print_columns(rows: list[tuple[str, ...]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1])
 
 
-def cmd_convert(argv: Sequence[str]) -> int:
-    """``lowrank convert vmamba --src official.pth --out converted.pth [--depths 2 2 8 2]``."""
-    import argparse
+def cmd_convert(model: Literal["vmamba"], *, src: str, out: str, depths: list[int] = [2, 2, 8, 2]) -> int:  # noqa: B006
+    """Convert released weights to this project's names.
 
-    parser = argparse.ArgumentParser(prog="lowrank convert", description="Convert released weights to this project's names.")
-    parser.add_argument("model", choices=["vmamba"], help="the architecture of the weights")
-    parser.add_argument("--src", required=True, help="the official checkpoint (e.g. vssm1_tiny_0230s_ckpt_epoch_264.pth)")
-    parser.add_argument("--out", required=True, help="where to write the converted state dict (refused if it exists)")
-    parser.add_argument("--depths", type=int, nargs="+", default=[2, 2, 8, 2], help="blocks per stage (VMamba-T: 2 2 8 2)")
-    opts = parser.parse_args(list(argv))
-    if not Path(opts.src).is_file():
-        print(f"lowrank convert: error: --src: file {opts.src!r} does not exist", file=sys.stderr)
+    Args:
+        model: the architecture of the weights
+        src: the official checkpoint (e.g. vssm1_tiny_0230s_ckpt_epoch_264.pth)
+        out: where to write the converted state dict (refused if it exists)
+        depths: blocks per stage (VMamba-T: 2 2 8 2)
+    """
+    if not Path(src).is_file():
+        print(f"lowrank convert: error: --src: file {src!r} does not exist", file=sys.stderr)
         return 2
-    if Path(opts.out).exists():
-        print(f"lowrank convert: error: --out: {opts.out!r} exists; choose a new file", file=sys.stderr)
+    if Path(out).exists():
+        print(f"lowrank convert: error: --out: {out!r} exists; choose a new file", file=sys.stderr)
         return 2
     import torch
 
     from lowrank_lit.models.vmamba import convert_official_vmamba
 
-    state = torch.load(opts.src, map_location="cpu", weights_only=True)
+    state = torch.load(src, map_location="cpu", weights_only=True)
     try:
-        converted = convert_official_vmamba(state, opts.depths)
+        converted = convert_official_vmamba(state, depths)
     except ValueError as exc:
         print(f"lowrank convert: error: {exc}", file=sys.stderr)
         return 2
-    torch.save(converted, opts.out)
-    print(f"{len(converted)} tensors -> {opts.out} (TinyVMamba names; give it as source_ckpt)")
+    torch.save(converted, out)
+    print(f"{len(converted)} tensors -> {out} (TinyVMamba names; give it as source_ckpt)")
     return 0
 
 
@@ -257,7 +269,7 @@ def _main(args: Sequence[str] | None) -> int:
         print(top_help(), end="")
         return 0
     if argv[0] in COMMANDS:
-        return COMMANDS[argv[0]](argv[1:])
+        return COMMANDS[argv[0]](argv[1:], argv[0])
     if argv[0] not in LIGHTNING_COMMANDS:
         print(
             f"lowrank: error: unknown command {argv[0]!r}; choose from {', '.join((*LIGHTNING_COMMANDS, *COMMANDS))}",

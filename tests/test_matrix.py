@@ -124,13 +124,13 @@ def test_check_builds_the_cells_and_names_the_slurm_array_command(tmp_path, monk
 
 
 def test_seeds_selects_a_subset_and_refuses_others(tmp_path, monkeypatch, capsys):
-    from lowrank_lit.launch.matrix import main
+    from lowrank_lit.cli import main
 
     monkeypatch.chdir(tmp_path)
     grid = _grid(tmp_path, {"opt": {"adam": {}}}, seeds=(0, 1, 2))
-    assert main(["--config", BASE, "--grid", str(grid), "--seeds", "7", "--check"]) == 2
+    assert main(["matrix", "--config", BASE, "--grid", str(grid), "--seeds", "7", "--check"]) == 2
     assert "--seeds: [7] are not seeds of" in capsys.readouterr().err
-    assert main(["--config", BASE, "--grid", str(grid), "--seeds", "1", "--check"]) == 0
+    assert main(["matrix", "--config", BASE, "--grid", str(grid), "--seeds", "1", "--check"]) == 0
     assert "1 cells x 1 seeds" in capsys.readouterr().out
 
 

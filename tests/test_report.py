@@ -44,6 +44,7 @@ def _names_summary(roots, out=None):
 
 
 def test_summarize_leaves_debug_runs_out_and_lists_them(tmp_path, monkeypatch, capsys):
+    from lowrank_lit import cli
     from lowrank_lit.launch import summarize
 
     monkeypatch.setitem(summarize.EXTRA_STUDIES, "names", f"{__name__}._names_summary")
@@ -51,18 +52,18 @@ def test_summarize_leaves_debug_runs_out_and_lists_them(tmp_path, monkeypatch, c
     _run(tmp_path, "smoke", {"fast_dev_run": True}, [(1.0, "")])
     _run(tmp_path, "partial", {"limit_train_batches": 2, "limit_val_batches": 2}, [(1.0, 0.1)])
     _run(tmp_path, "budget", {"limit_val_batches": 20}, [(1.0, 0.2)])  # an evaluation budget, not a smoke
-    assert summarize.main(["names", str(tmp_path)]) == 0
+    assert cli.main(["summarize", "names", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert out.split() == ["budget", "real"] and "left out 2 debug run(s)" in err
-    assert summarize.main(["names", str(tmp_path), "--include-debug"]) == 0
+    assert cli.main(["summarize", "names", str(tmp_path), "--include-debug"]) == 0
     assert capsys.readouterr().out.split() == ["budget", "partial", "real", "smoke"]
-    assert summarize.main(["names", str(tmp_path), "--list-debug"]) == 0
+    assert cli.main(["summarize", "names", str(tmp_path), "--list-debug"]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert listed == [f"{tmp_path / 'exp' / 'partial'}  (limit_train_batches=2)", f"{tmp_path / 'exp' / 'smoke'}  (fast_dev_run=True)"]
     for name in ("real", "budget"):
         (tmp_path / "exp" / name / "config.yaml").unlink()
         (tmp_path / "exp" / name / "metrics.csv").unlink()
-    assert summarize.main(["names", str(tmp_path)]) == 2  # only debug runs: the error says so
+    assert cli.main(["summarize", "names", str(tmp_path)]) == 2  # only debug runs: the error says so
     assert "except 2 debug run(s)" in capsys.readouterr().err
 
 
@@ -176,20 +177,20 @@ def _truncation(acc):
 
 
 def test_summarize_never_reads_another_methods_runs_and_says_so(tmp_path, capsys):
-    from lowrank_lit.launch import summarize
+    from lowrank_lit import cli
 
     for seed in (0, 1):
         _config_run(tmp_path, "q3r/mlp_digits", f"s{seed}", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.9),
                     "metrics.csv": "step,test/acc\n1,0.9\n"}, seed)
     for slug in ("lope", "strank"):  # used to print a "HydraLoRA" row from these Q3R runs, or `error: 'loss'`
-        assert summarize.main([slug, str(tmp_path)]) == 1
+        assert cli.main(["summarize", slug, str(tmp_path)]) == 1
         err = capsys.readouterr().err.strip()
         assert err == (f"lowrank summarize {slug}: no {slug} runs under {tmp_path}; left out 2 run(s): 2 x runs of "
                        "another method (q3r)")
 
 
 def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, capsys):
-    from lowrank_lit.launch import summarize
+    from lowrank_lit import cli
 
     for seed in (0, 1):
         _config_run(tmp_path, "q3r/mlp_digits", f"q{seed}", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.9)}, seed)
@@ -198,7 +199,7 @@ def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, ca
     # a sweep inside one experiment: its swept value is a column of its own
     _config_run(tmp_path, "q3r/mlp_digits", "lam", "q3r/mlp_digits.yaml", {"truncation.csv": _truncation(0.7)},
                 test_after_fit=False)
-    assert summarize.main(["q3r", str(tmp_path)]) == 0  # one folder holding both experiments
+    assert cli.main(["summarize", "q3r", str(tmp_path)]) == 0  # one folder holding both experiments
     header = capsys.readouterr().out.splitlines()[0]
     assert header == ("| keep fraction | mlp_digits test_after_fit=False (n=1) | mlp_digits test_after_fit=True (n=2) | "
                       "mlp_digits_adamw (n=2) |")  # in the order of the run folders
@@ -207,6 +208,7 @@ def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, ca
 def test_summarize_keeps_the_latest_of_repeated_evaluations_of_one_checkpoint(tmp_path, monkeypatch, capsys):
     import os
 
+    from lowrank_lit import cli
     from lowrank_lit.launch import summarize
 
     monkeypatch.setitem(summarize.EXTRA_STUDIES, "names", f"{__name__}._names_summary")
@@ -215,15 +217,15 @@ def test_summarize_keeps_the_latest_of_repeated_evaluations_of_one_checkpoint(tm
                         {"metrics.csv": "step,test/acc\n0,0.9\n"})
         os.utime(d / "metrics.csv", (1000 + i, 1000 + i))
     _config_run(tmp_path, "glvq/mlp_digits_2bit", "seed1", "glvq/mlp_digits_2bit.yaml", {"metrics.csv": "step\n0\n"}, 1)
-    assert summarize.main(["names", str(tmp_path)]) == 0
+    assert cli.main(["summarize", "names", str(tmp_path)]) == 0
     out, err = capsys.readouterr()
     assert out.split() == ["seed1", "third"]  # another seed is another evaluation; of the three, the latest
     assert "left out 2 run(s): 2 x an earlier evaluation of runs/glvq/mlp_digits_fp/fp/checkpoints/last.ckpt" in err
 
 
 def test_summarize_with_no_run_of_the_method_says_so_and_exits_1(tmp_path, capsys):
-    from lowrank_lit.launch import summarize
+    from lowrank_lit import cli
 
     (tmp_path / "empty").mkdir()
-    assert summarize.main(["glvq", str(tmp_path / "empty")]) == 1
+    assert cli.main(["summarize", "glvq", str(tmp_path / "empty")]) == 1
     assert capsys.readouterr().err.strip() == f"lowrank summarize glvq: no glvq runs under {tmp_path / 'empty'}"

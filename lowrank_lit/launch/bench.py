@@ -14,7 +14,10 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from jsonargparse.typing import PositiveInt
+
 from lowrank_lit.bench import BenchContext, BenchRow, ConfigBench, bench_table, mib, tensor_bytes
+from lowrank_lit.launch.verbs import Typed
 
 __all__ = ["get_bench", "run_benches", "run_config_bench", "main"]
 
@@ -123,46 +126,49 @@ def _machine(device: str) -> str:
            f"(torch {torch.__version__})"
 
 
-def main(argv: Sequence[str]) -> int:
-    """``lowrank bench [SLUG ...] [--quick] [--device cpu|cuda] [--repeats N] [--out FILE]``."""
-    import argparse
+def main(*slugs: str, quick: bool = False, device: str = "cpu", repeats: PositiveInt | None = None,
+         out: str | None = None, given: Typed = ()) -> int:
+    """Every method's cost as a ratio against its baseline, measured in the same process (one table).
+
+    Args:
+        slugs: methods to run (default: every method with a benchmark)
+        quick: small sizes and few rounds: a smoke run (minutes)
+        device: cpu or cuda (CUDA synchronised around every timed region)
+        repeats: timed rounds per comparison (default: each benchmark's)
+        out: also write the table as a markdown page (e.g. docs/performance.md)
+        given: the words after ``lowrank bench`` (the page's command line)
+    """
     import shlex
     from pathlib import Path
 
     from lowrank_lit import registry
 
     with_bench = sorted(m.slug for m in registry.scan_methods() if m.bench)
-    parser = argparse.ArgumentParser(prog="lowrank bench", description="Every method's cost as a ratio against its "
-                                     "baseline, measured in the same process (one table).")
-    parser.add_argument("slugs", nargs="*", metavar="SLUG", help=f"methods to run (default: all): {', '.join(with_bench)}")
-    parser.add_argument("--quick", action="store_true", help="small sizes and few rounds: a smoke run (minutes)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (CUDA synchronised around every timed region)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default: each benchmark's)")
-    parser.add_argument("--out", help="also write the table as a markdown page (e.g. docs/performance.md)")
-    args = parser.parse_args(list(argv))
-    unknown = [s for s in args.slugs if s not in with_bench]
+    unknown = [s for s in slugs if s not in with_bench]
+    error = None
     if unknown:
-        parser.error(f"SLUG: {unknown[0]!r} has no benchmark; choose from {', '.join(with_bench)}")
-    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        parser.error(f"--device: {args.device!r} is not one of cpu, cuda")
-    if args.device.startswith("cuda"):
+        error = f"SLUG: {unknown[0]!r} has no benchmark; choose from {', '.join(with_bench)}"
+    elif device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        error = f"--device: {device!r} is not one of cpu, cuda"
+    elif device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            parser.error(f"--device: {args.device!r} asked for, but torch sees no CUDA device on this machine")
-    if args.repeats is not None and args.repeats < 1:
-        parser.error(f"--repeats: {args.repeats} must be >= 1")
-    ctx = BenchContext(args.device, args.quick, args.repeats)
+            error = f"--device: {device!r} asked for, but torch sees no CUDA device on this machine"
+    if error:
+        print(f"lowrank bench: error: {error}", file=sys.stderr)
+        return 2
+    ctx = BenchContext(device, quick, repeats)
     start = time.perf_counter()
-    rows = run_benches(args.slugs or with_bench, ctx, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = run_benches(list(slugs) or with_bench, ctx, progress=lambda line: print(line, file=sys.stderr, flush=True))
     table = bench_table(rows)
     print(table)
-    if args.out:
-        command = shlex.join(["lowrank", "bench", *argv])
-        head = _PAGE_HEAD.format(command=command, machine=_machine(args.device),
-                                 minutes=(time.perf_counter() - start) / 60, quick=" (quick mode: indicative only)" if args.quick else "")
-        Path(args.out).write_text(head + table + "\n" + _PAGE_TAIL)
-        print(args.out, file=sys.stderr)
+    if out:
+        command = shlex.join(["lowrank", "bench", *given])
+        head = _PAGE_HEAD.format(command=command, machine=_machine(device),
+                                 minutes=(time.perf_counter() - start) / 60, quick=" (quick mode: indicative only)" if quick else "")
+        Path(out).write_text(head + table + "\n" + _PAGE_TAIL)
+        print(out, file=sys.stderr)
     return 0
 
 

@@ -368,6 +368,11 @@ _GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
 _LITERAL_RE = re.compile(r"Expected an? typing\.Literal\[(.*?)\]")
 _UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
 _NOT_ACCEPTED_RE = re.compile(r"does not accept option '([^']+)'")
+_RESTRICTED_RE = re.compile(r"Not of type (\w+): (.+)$")
+#: what jsonargparse's restricted types allow, in words
+_RESTRICTED = {"PositiveInt": "an integer > 0", "NonNegativeInt": "an integer >= 0", "PositiveFloat": "a number > 0",
+               "NonNegativeFloat": "a number >= 0", "ClosedUnitInterval": "a number in [0, 1]",
+               "OpenUnitInterval": "a number in (0, 1)"}
 _IMPORT_FAIL_RE = re.compile(r"No module named|has no attribute|cannot import|Import path|not a (class|subclass)|does not exist")
 
 
@@ -448,8 +453,13 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
         given = f"={got!r}" if got is not None else ""
         return (f"--seed_everything{given}: allowed: an integer seed, true (a random seed, saved in the run's config) "
                 "or false (no seeding)")
-    if key_parts and (m := _EXPECTED_RE.search(text)):
-        got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
+    got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
+    if key_parts and (m := next((r for ln in lines if (r := _RESTRICTED_RE.search(ln))), None)):  # PositiveInt, ...
+        allowed = _RESTRICTED.get(m.group(1), f"{m.group(1)} ({m.group(2)})")
+        return f"{'.init_args.'.join(key_parts)}={got!r}; allowed: {allowed}"
+    expected = [m for ln in lines if (m := _EXPECTED_RE.search(ln)) and m.group(1) != "NoneType"]
+    if key_parts and expected:
+        m = expected[0]
         got_text = f", got {got!r}" if got is not None else ""
         return f"{'.init_args.'.join(key_parts)}: expected {m.group(1)}{got_text}"
     return lines[0]

@@ -30,6 +30,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lowrank_lit.launch.verbs import PassThrough
+
 __all__ = ["MemoryEstimate", "SavedTensors", "estimate", "main", "format_bytes", "optimizer_state_bytes"]
 
 GiB = 1024**3
@@ -226,22 +228,17 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
                           notes)
 
 
-def main(argv: Sequence[str]) -> int:
-    """``lowrank estimate --config C.yaml [overrides...] [--gpu-memory GiB]``."""
-    argv = list(argv)
-    gpu = 80.0
-    if "--gpu-memory" in argv:
-        i = argv.index("--gpu-memory")
-        try:
-            gpu = float(argv[i + 1])
-        except (IndexError, ValueError):
-            print("lowrank estimate: error: --gpu-memory needs a number of GiB, e.g. --gpu-memory 80", file=sys.stderr)
-            return 2
-        del argv[i : i + 2]
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
+def main(*, gpu_memory: float = 80.0, flags: PassThrough = []) -> int:  # noqa: B006
+    """Memory per GPU of a config at full size, computed on the meta device (weights, gradients, optimizer state,
+    DDP buckets, activations): ``lowrank estimate --config C.yaml [--config more.yaml] [--key=value ...]``.
+
+    Args:
+        gpu_memory: the GPU's memory in GiB, for the verdict line (default 80)
+        flags: ``--config`` files and ``--key=value`` overrides, as for ``lowrank fit``
+    """
     from lowrank_lit.launch.checks import config_file_error, config_files
+
+    argv = list(flags)
 
     files = config_files(argv)
     bad = config_file_error(files) if files else \
@@ -255,7 +252,7 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as exc:  # jsonargparse wraps what the classes raise while being built on the meta device
         print(f"lowrank estimate: error: the config cannot be built on the meta device: {_root_message(exc)}", file=sys.stderr)
         return 2
-    print(result.report(gpu))
+    print(result.report(gpu_memory))
     return 0
 
 

@@ -32,14 +32,14 @@ checkpoint that ``lowrank test --config ... --ckpt_path FILE`` reads.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
+import typing
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -59,7 +59,9 @@ from lowrank_lit.hub import portable_base
 __all__ = ["FORMATS", "export_checkpoint", "build_base", "load_run_artifact", "load_factors", "find_backbone",
            "main_export", "main_load"]
 
-FORMATS = ("native", "peft", "hf", "factors")
+#: what ``lowrank export --format`` writes
+Format = Literal["native", "peft", "hf", "factors"]
+FORMATS: tuple[str, ...] = typing.get_args(Format)
 #: files of the ``factors`` format (a whole low-rank model: every weight differs from the base)
 FACTORS, FACTORS_META = "factors.safetensors", "factors.json"
 
@@ -401,29 +403,29 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.3f} MiB" if n >= 2**16 else f"{n / 2**10:.1f} KiB"
 
 
-def main_export(argv: Sequence[str]) -> int:
-    """``lowrank export --ckpt_path CKPT --out DIR [--format native|peft|hf] [--config CONFIG]``."""
-    parser = argparse.ArgumentParser(prog="lowrank export", description="Write only what a run trained (safetensors + "
-                                     "JSON), optionally in peft's or transformers' format.")
-    parser.add_argument("--ckpt_path", required=True, help="the run's checkpoint, e.g. RUN/checkpoints/last.ckpt")
-    parser.add_argument("--out", required=True, help="a new folder for the artifact (never overwritten)")
-    parser.add_argument("--format", default="native", help=f"one of {', '.join(FORMATS)} (default: native)")
-    parser.add_argument("--config", help="the run's config (default: config.yaml of the run folder)")
-    parser.add_argument("--keep", type=float, help="--format factors: share of each target's parameters kept")
-    parser.add_argument("--targets", nargs="+", help="--format factors: layer patterns (default: the rank_targets a callback of the config declares, e.g. Q3R's)")
-    args = parser.parse_args(list(argv))
-    if args.format not in FORMATS:
-        parser.error(f"--format: {args.format!r}; allowed: {', '.join(FORMATS)}")
+def main_export(*, ckpt_path: str, out: str, format: Format = "native", config: str | None = None,  # noqa: A002
+                keep: float | None = None, targets: list[str] | None = None) -> int:
+    """Write only what a run trained (safetensors + JSON), optionally in peft's or transformers' format.
+
+    Args:
+        ckpt_path: the run's checkpoint, e.g. RUN/checkpoints/last.ckpt
+        out: a new folder for the artifact (never overwritten)
+        format: native (default), peft, hf or factors
+        config: the run's config (default: config.yaml of the run folder)
+        keep: --format factors: share of each target's parameters kept
+        targets: --format factors: layer patterns (default: the rank_targets a callback of the config declares,
+            e.g. Q3R's)
+    """
     try:
-        got = export_checkpoint(args.ckpt_path, args.out, args.format, args.config, args.keep, args.targets)
+        got = export_checkpoint(ckpt_path, out, format, config, keep, targets)
     except (ArtifactError, ValueError) as exc:
         print(f"lowrank export: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     except PermissionError as exc:
-        print(f"lowrank export: error: --out={args.out!r}: cannot write {exc.filename!r} ({exc.strerror}); allowed: a "
+        print(f"lowrank export: error: --out={out!r}: cannot write {exc.filename!r} ({exc.strerror}); allowed: a "
               "folder you can write", file=sys.stderr)
         return 2
-    if args.format == "factors":
+    if format == "factors":
         ranks = ", ".join(f"{n} {r}" for n, r in got["ranks"].items())
         print(f"exported the truncated model ({got['trained_values']:,} parameters; ranks {ranks}) to {got['out']}: "
               f"{_size(got['artifact_bytes'])}")
@@ -460,26 +462,27 @@ def _load_factors_main(folder: str, out: str | None) -> int:
     return 0
 
 
-def main_load(argv: Sequence[str]) -> int:
-    """``lowrank load DIR [--out FILE.ckpt] [--no-check]``."""
-    parser = argparse.ArgumentParser(prog="lowrank load", description="Apply an artifact onto the base its config "
-                                     "builds (checked), optionally writing a checkpoint lowrank test reads.")
-    parser.add_argument("artifact", help="a folder written by lowrank export")
-    parser.add_argument("--out", help="write the model as a checkpoint here (refused if it exists)")
-    parser.add_argument("--no-check", action="store_true", help="skip the digest check of the frozen base weights")
-    args = parser.parse_args(list(argv))
-    if args.out and Path(args.out).exists():
-        parser.error(f"--out: {args.out!r} exists; choose a new file")
-    if (Path(args.artifact) / FACTORS_META).is_file() and not (Path(args.artifact) / META).is_file():
-        return _load_factors_main(args.artifact, args.out)
+def main_load(artifact: str, *, out: str | None = None, no_check: bool = False) -> int:
+    """Apply an artifact onto the base its config builds (checked), optionally writing a checkpoint lowrank test reads.
+
+    Args:
+        artifact: a folder written by lowrank export
+        out: write the model as a checkpoint here (refused if it exists)
+        no_check: skip the digest check of the frozen base weights
+    """
+    if out and Path(out).exists():
+        print(f"lowrank load: error: --out: {out!r} exists; choose a new file", file=sys.stderr)
+        return 2
+    if (Path(artifact) / FACTORS_META).is_file() and not (Path(artifact) / META).is_file():
+        return _load_factors_main(artifact, out)
     try:
-        meta, tensors = read_artifact(args.artifact)  # read once: the base's config and the tensors
-        model = apply_artifact(build_base(meta), meta, tensors, check_base=not args.no_check)
+        meta, tensors = read_artifact(artifact)  # read once: the base's config and the tensors
+        model = apply_artifact(build_base(meta), meta, tensors, check_base=not no_check)
     except (ArtifactError, ValueError) as exc:
         print(f"lowrank load: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
-    checked = "not checked" if args.no_check else f"{len(meta['base']['tensors'])} frozen tensors checked"
+    checked = "not checked" if no_check else f"{len(meta['base']['tensors'])} frozen tensors checked"
     print(f"applied {len(meta['entries'])} tensors onto {type(model).__name__} ({checked})")
-    if args.out:
-        _save_loaded(model, args.out, meta.get("source", {}).get("global_step") or 0)
+    if out:
+        _save_loaded(model, out, meta.get("source", {}).get("global_step") or 0)
     return 0

@@ -32,7 +32,6 @@ dotted keys) that are layered onto the base config in axis order::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import itertools
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lowrank_lit.launch.verbs import PassThrough, Typed
 
 __all__ = ["Grid", "GridError", "load_grid", "merge_fragments", "prepare", "check_cells", "collect", "main"]
 
@@ -420,80 +421,85 @@ def _check_only(grid: Grid, base: str, tmp: Path, name: str, root: Path, argv: S
     return 0 if not bad else 1
 
 
-def main(argv: Sequence[str]) -> int:
-    """``lowrank matrix --config BASE.yaml --grid GRID.yaml [--root DIR] [--jobs N] [--limit N] [--seeds S ...] [--pivot AXIS] [--check]``."""
-    parser = argparse.ArgumentParser(prog="lowrank matrix", description="Run the cross product of config fragments "
-                                     "over seeds (a grid sweep) and write one table and a heatmap per metric.")
-    parser.add_argument("--config", help="the base config (default: the grid file's `config`)")
-    parser.add_argument("--grid", required=True, help="the grid file (axes of named config fragments)")
-    parser.add_argument("--root", help="the matrix folder (default: runs/matrix/<grid name>)")
-    parser.add_argument("--jobs", type=int, default=1, help="cells run at once, each in its own process (default 1)")
-    parser.add_argument("--check", action="store_true", help="build every cell and report, run nothing")
-    parser.add_argument("--limit", type=int, default=None, help="run at most this many runs in this call (smoke)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="run (and tabulate) only these seeds of the grid's")
-    parser.add_argument("--pivot", help="also write the first metric with this axis' components as columns "
-                        "(matrix_pivot.md)")
-    opts, extra = parser.parse_known_args(list(argv))
+def main(*, grid: str, config: str | None = None, root: str | None = None, jobs: int = 1, check: bool = False,
+         limit: int | None = None, seeds: list[int] | None = None, pivot: str | None = None,
+         extra: PassThrough = [], given: Typed = ()) -> int:  # noqa: B006
+    """Run the cross product of config fragments over seeds (a grid sweep) and write one table and a heatmap per metric.
+
+    Flags it does not know go to every run (``--trainer.max_epochs=3``).
+
+    Args:
+        grid: the grid file (axes of named config fragments)
+        config: the base config (default: the grid file's `config`)
+        root: the matrix folder (default: runs/matrix/<grid name>)
+        jobs: cells run at once, each in its own process (default 1)
+        check: build every cell and report, run nothing
+        limit: run at most this many runs in this call (smoke)
+        seeds: run (and tabulate) only these seeds of the grid's
+        pivot: also write the first metric with this axis' components as columns (matrix_pivot.md)
+        extra: the flags passed on to every run
+        given: the words after `lowrank matrix`
+    """
     try:
-        grid = load_grid(opts.grid)
-        base = opts.config or grid.config
+        spec = load_grid(grid)
+        base = config or spec.config
         if not base:
             raise GridError("--config: no base config (give --config or `config:` in the grid file)")
-        if opts.jobs < 1:
-            raise GridError(f"--jobs: {opts.jobs}; allowed: an integer >= 1")
-        if opts.seeds:
-            unknown = [x for x in opts.seeds if x not in grid.seeds]
+        if jobs < 1:
+            raise GridError(f"--jobs: {jobs}; allowed: an integer >= 1")
+        if seeds:
+            unknown = [x for x in seeds if x not in spec.seeds]
             if unknown:
-                raise GridError(f"--seeds: {unknown} are not seeds of {opts.grid} ({grid.seeds})")
-            grid = dataclasses.replace(grid, seeds=list(opts.seeds))
-        if opts.pivot and opts.pivot not in grid.axes:
-            raise GridError(f"--pivot: {opts.pivot!r} is not an axis of {opts.grid} ({', '.join(grid.axes)})")
+                raise GridError(f"--seeds: {unknown} are not seeds of {grid} ({spec.seeds})")
+            spec = dataclasses.replace(spec, seeds=list(seeds))
+        if pivot and pivot not in spec.axes:
+            raise GridError(f"--pivot: {pivot!r} is not an axis of {grid} ({', '.join(spec.axes)})")
     except GridError as exc:
         print(f"lowrank matrix: error: {exc}", file=sys.stderr)
         return 2
-    name = grid.path.stem
-    root = Path(opts.root or Path("runs") / "matrix" / name)
-    if opts.check:  # a check writes nothing where the runs go: the cells are built in a temporary folder
+    name = spec.path.stem
+    folder = Path(root or Path("runs") / "matrix" / name)
+    if check:  # a check writes nothing where the runs go: the cells are built in a temporary folder
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="lowrank-matrix-check-") as tmp:
-            return _check_only(grid, base, Path(tmp) / name, name, root, argv)
+            return _check_only(spec, base, Path(tmp) / name, name, folder, given)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"lowrank matrix: error: --root={str(root)!r}: cannot create it ({exc.strerror}); allowed: a folder you "
+        print(f"lowrank matrix: error: --root={str(folder)!r}: cannot create it ({exc.strerror}); allowed: a folder you "
               "can write", file=sys.stderr)
         return 2
-    files, bad = _build_cells(grid, base, root, name)
+    files, bad = _build_cells(spec, base, folder, name)
     runnable = len(files) - len(bad)
-    pending = sweep_files(grid, base, root, name, files, set(bad)) if runnable else []
+    pending = sweep_files(spec, base, folder, name, files, set(bad)) if runnable else []
     for seed, sweep, study, cells in pending:
-        submit = ["lowrank", "submit", "--sweep", str(sweep), "--array", "K", "--storage", str(root / "matrix.journal"),
-                  "--study-name", study, "--run-root", str(root), *extra]
+        submit = ["lowrank", "submit", "--sweep", str(sweep), "--array", "K", "--storage", str(folder / "matrix.journal"),
+                  "--study-name", study, "--run-root", str(folder), *extra]
         print(f"on SLURM, K workers: {shlex.join(submit)}; then this command again writes the table "
               f"(seed {seed}: {cells} cells to run)")
-    budget = opts.limit
+    budget = limit
     for _seed, sweep, study, cells in pending:
         n = cells if budget is None else min(cells, budget)
         if n <= 0:
             break
-        cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(sweep), "--run-root", str(root), "--no-wandb",
-               "--storage", str(root / "matrix.journal"), "--study-name", study, "--n-trials",
-               str(max(1, n // opts.jobs) if budget is not None else n), *extra]
-        workers = [subprocess.Popen(cmd) for _ in range(min(opts.jobs, n))]
+        cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(sweep), "--run-root", str(folder), "--no-wandb",
+               "--storage", str(folder / "matrix.journal"), "--study-name", study, "--n-trials",
+               str(max(1, n // jobs) if budget is not None else n), *extra]
+        workers = [subprocess.Popen(cmd) for _ in range(min(jobs, n))]
         codes = [w.wait() for w in workers]
         if any(c not in (0, 1) for c in codes):  # 1: no trial completed in that worker (e.g. all taken)
             print(f"lowrank matrix: a sweep worker exited with {max(codes)}; finished cells are kept, run the same "
                   "command again to continue", file=sys.stderr)
         if budget is not None:
             budget -= n
-    rows = collect(grid, base, root, name, files, bad, extra)
-    print(write_table(grid, rows, root))
-    if opts.pivot:
-        pivot = pivot_table(grid, rows, opts.pivot)
-        (root / "matrix_pivot.md").write_text(pivot)
-        print(pivot)
-    for path in plot_heatmaps(grid, rows, root):
+    rows = collect(spec, base, folder, name, files, bad, extra)
+    print(write_table(spec, rows, folder))
+    if pivot:
+        pivoted = pivot_table(spec, rows, pivot)
+        (folder / "matrix_pivot.md").write_text(pivoted)
+        print(pivoted)
+    for path in plot_heatmaps(spec, rows, folder):
         print(f"heatmap: {path}")
-    print(f"table: {root / 'matrix.md'} (and matrix.csv)")
+    print(f"table: {folder / 'matrix.md'} (and matrix.csv)")
     return 0

@@ -14,18 +14,19 @@ array job sharing one optuna journal file, so they split the trials.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import time
 from importlib import resources
 from pathlib import Path
+from time import strftime
+from typing import Literal
 
 from lowrank_lit.launch.sweep import default_storage, sweep_folder
+from lowrank_lit.launch.verbs import PassThrough, Typed
 
 __all__ = ["render_script", "main"]
 
@@ -135,72 +136,79 @@ def _config_accelerator(configs: list[str]) -> str:
     return "cpu" if str(accel).lower() == "cpu" else "gpu"
 
 
-def main(argv: list[str]) -> int:
-    """``lowrank submit (--config C.yaml ... | --sweep S.yaml --array K) [options] [-- extra fit flags]``"""
-    parser = argparse.ArgumentParser(prog="lowrank submit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", action="append", default=[], help="config file(s) for `lowrank fit` (repeatable)")
-    parser.add_argument("--sweep", default=None, help="submit offline sweep workers for this sweep file instead")
-    parser.add_argument("--array", type=int, default=None, help="number of sweep workers (array tasks)")
-    parser.add_argument("--trials-per-task", type=int, default=None, help="trials per sweep worker")
-    parser.add_argument("--storage", default=None, help="shared optuna storage (default: runs/sweeps/<study>/study.journal)")
-    parser.add_argument("--study-name", default=None, help="optuna study / W&B group (default: sweep file stem)")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes (= trainer.num_nodes)")
-    parser.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (= trainer.devices = tasks per node)")
-    parser.add_argument("--cpus-per-task", type=int, default=8, help="CPU cores per task (data loading)")
-    parser.add_argument("--time", default="04:00:00", help="wall-time limit, [D-]HH:MM:SS")
-    parser.add_argument("--partition", default=None, help="SLURM partition")
-    parser.add_argument("--account", default=None, help="SLURM account")
-    parser.add_argument("--job-name", default=None, help="job name (default: the experiment or sweep name)")
-    parser.add_argument("--run-root", default="runs", help="run root (default: runs)")
-    parser.add_argument("--accelerator", choices=["gpu", "cpu"], default=None,
-                        help="what each task runs on (default: the config's trainer.accelerator: cpu asks for no GPU, "
-                        "gpu/cuda/auto/unset ask for --gpus-per-node GPUs)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the script instead of submitting it (its log folder is created, as for a submit)")
-    opts, extra = parser.parse_known_args(argv)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    if bool(opts.config) == bool(opts.sweep):
+def main(*, config: list[str] | None = None, sweep: str | None = None, array: int | None = None,
+         trials_per_task: int | None = None, storage: str | None = None, study_name: str | None = None, nodes: int = 1,
+         gpus_per_node: int = 1, cpus_per_task: int = 8, time: str = "04:00:00", partition: str | None = None,  # noqa: A002
+         account: str | None = None, job_name: str | None = None, run_root: str = "runs",
+         accelerator: Literal["gpu", "cpu"] | None = None, dry_run: bool = False, extra: PassThrough = [],  # noqa: B006
+         given: Typed = ()) -> int:
+    """Write an sbatch script for a run or for sweep workers and submit it (``--config C.yaml ...`` or
+    ``--sweep S.yaml --array K``; flags it does not know, and everything after ``--``, go to ``lowrank fit``).
+
+    Args:
+        config: config file(s) for `lowrank fit` (repeatable)
+        sweep: submit offline sweep workers for this sweep file instead
+        array: number of sweep workers (array tasks)
+        trials_per_task: trials per sweep worker
+        storage: shared optuna storage (default: runs/sweeps/<study>/study.journal)
+        study_name: optuna study / W&B group (default: sweep file stem)
+        nodes: nodes (= trainer.num_nodes)
+        gpus_per_node: GPUs per node (= trainer.devices = tasks per node)
+        cpus_per_task: CPU cores per task (data loading)
+        time: wall-time limit, [D-]HH:MM:SS
+        partition: SLURM partition
+        account: SLURM account
+        job_name: job name (default: the experiment or sweep name)
+        run_root: run root (default: runs)
+        accelerator: what each task runs on (default: the config's trainer.accelerator: cpu asks for no GPU,
+            gpu/cuda/auto/unset ask for --gpus-per-node GPUs)
+        dry_run: print the script instead of submitting it (its log folder is created, as for a submit)
+        extra: the flags passed on to `lowrank fit`
+        given: the words after `lowrank submit`
+    """
+    config = config or []
+    if bool(config) == bool(sweep):
         print("lowrank submit: error: pass either --config FILE (a run) or --sweep FILE --array K (sweep workers)",
               file=sys.stderr)
         return 2
     from lowrank_lit.launch.checks import experiment_from_configs
 
-    if opts.sweep:
-        name = opts.study_name or Path(opts.sweep).stem
-        folder = sweep_folder(opts.run_root, name)
-        storage = opts.storage or str(default_storage(opts.run_root, name))
+    if sweep:
+        name = study_name or Path(sweep).stem
+        folder = sweep_folder(run_root, name)
+        storage = storage or str(default_storage(run_root, name))
     else:
-        missing = [c for c in opts.config if not Path(c).is_file()]
+        missing = [c for c in config if not Path(c).is_file()]
         if missing:
             print(f"lowrank submit: error: --config file {missing[0]!r} does not exist", file=sys.stderr)
             return 2
-        name = experiment_from_configs(opts.config)
-        folder = Path(opts.run_root) / name
+        name = experiment_from_configs(config)
+        folder = Path(run_root) / name
         storage = None
-    configs = opts.config or _sweep_configs(opts.sweep)
-    accelerator = opts.accelerator or _config_accelerator(configs)
+    configs = config or _sweep_configs(sweep)
+    accelerator = accelerator or _config_accelerator(configs)
     log_dir = (folder / "slurm").resolve()  # SLURM opens the --output file before the script runs: made below
-    if accelerator == "cpu" and "--gpus-per-node" in " ".join(argv) and opts.gpus_per_node > 1:
+    if accelerator == "cpu" and any(w.startswith(("--gpus-per-node", "--gpus_per_node")) for w in given) \
+            and gpus_per_node > 1:
         print(f"lowrank submit: note: the config runs on the CPU (trainer.accelerator: cpu), so the job asks for no GPU "
-              f"and runs {opts.gpus_per_node} CPU processes per node; --accelerator gpu asks for "
-              f"{opts.gpus_per_node} GPUs per node", file=sys.stderr)
-    fit_args = ["fit", *[a for c in opts.config for a in ("--config", c)], "--run_root", opts.run_root, *extra]
+              f"and runs {gpus_per_node} CPU processes per node; --accelerator gpu asks for "
+              f"{gpus_per_node} GPUs per node", file=sys.stderr)
+    fit_args = ["fit", *[a for c in config for a in ("--config", c)], "--run_root", run_root, *extra]
     try:
         script = render_script(
-            fit_args=fit_args, sweep=opts.sweep, array=opts.array, nodes=opts.nodes, gpus_per_node=opts.gpus_per_node,
-            cpus_per_task=opts.cpus_per_task, time_limit=opts.time, partition=opts.partition, account=opts.account,
-            job_name=opts.job_name or name.replace("/", "-"), log_dir=str(log_dir), storage=storage,
-            study_name=opts.study_name or (Path(opts.sweep).stem if opts.sweep else None),
-            trials_per_task=opts.trials_per_task, accelerator=accelerator,
-            run_root=opts.run_root if opts.sweep else None,
+            fit_args=fit_args, sweep=sweep, array=array, nodes=nodes, gpus_per_node=gpus_per_node,
+            cpus_per_task=cpus_per_task, time_limit=time, partition=partition, account=account,
+            job_name=job_name or name.replace("/", "-"), log_dir=str(log_dir), storage=storage,
+            study_name=study_name or (Path(sweep).stem if sweep else None),
+            trials_per_task=trials_per_task, accelerator=accelerator,
+            run_root=run_root if sweep else None,
         )
     except ValueError as exc:  # refused before anything is written
         print(f"{str(exc).replace('lowrank submit: ', 'lowrank submit: error: ', 1)}", file=sys.stderr)
         return 2
-    if opts.sweep and extra:
+    if sweep and extra:
         script = script.rstrip("\n") + " " + shlex.join(extra) + "\n"
-    if opts.dry_run:
+    if dry_run:
         print(script, end="")
         return 0
     sbatch = shutil.which("sbatch")
@@ -209,7 +217,7 @@ def main(argv: list[str]) -> int:
               "use --dry-run to print the script", file=sys.stderr)
         return 2
     log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / f"{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    path = log_dir / f"{strftime('%Y%m%d-%H%M%S')}.sbatch"
     path.write_text(script.replace("<this file>", str(path)))
     out = subprocess.run([sbatch, str(path)], capture_output=True, text=True, check=False)
     print(out.stdout.strip() or out.stderr.strip())

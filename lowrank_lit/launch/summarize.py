@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from lowrank_lit.report import (
     read_runs,
 )
 
-__all__ = ["Summary", "get_summary", "studies", "main"]
+__all__ = ["Summary", "get_summary", "studies", "summary_options", "main"]
 
 
 @dataclass(frozen=True)
@@ -91,35 +91,33 @@ def get_summary(slug: str) -> Summary:
                    info.target.rpartition(".")[0] if info is not None else None)
 
 
-def main(argv: Sequence[str]) -> int:
-    """``lowrank summarize <slug> <run-root>... [--out FILE] [--<option> VALUE]``: a method's result table."""
-    import argparse
+def summary_options(slug: str) -> Callable[..., str]:
+    """The summary function of ``slug``, whose keyword arguments are the options of ``lowrank summarize <slug>``.
 
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lowrank summarize <slug> <run-root>... [--out FILE] [method options]\n\n"
-              "Print a method's result table (markdown) from its runs; --out also writes its figure.\n"
-              "`lowrank summarize <slug> --help` lists the method's options.")
-        return 0
-    try:
-        summary = get_summary(argv[0])
-    except KeyError as exc:
-        print(f"lowrank summarize: error: {exc.args[0]}", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser(prog=f"lowrank summarize {summary.slug}", description=summary.help)
-    parser.add_argument("roots", nargs="+", help="run directories, or folders holding them")
-    parser.add_argument("--out", help="also write the figure to this file (PNG)")
-    for name, default in summary.options.items():
-        parser.add_argument(f"--{name}", default=default, type=type(default) if default is not None else str,
-                            help=f"default: {default}")
-    parser.add_argument("--include-debug", action="store_true",
-                        help="also use debug runs (fast_dev_run, overfit_batches, limit_train_batches), left out by default")
-    parser.add_argument("--list-debug", action="store_true", help="only list the debug runs under the roots and why")
-    args = vars(parser.parse_args(list(argv[1:])))
-    roots, out = args.pop("roots"), args.pop("out")
-    include, listing = args.pop("include_debug"), args.pop("list_debug")
+    Raises:
+        KeyError: as :func:`get_summary`.
+    """
+    return get_summary(slug).fn
+
+
+def main(slug: str, roots: list[str], *, out: str | None = None, include_debug: bool = False, list_debug: bool = False,
+         **options: Any) -> int:
+    """Print a method's (or a study's) result table (markdown) from its runs; --out also writes its figure.
+
+    ``lowrank summarize <slug> --help`` lists the method's own options too.
+
+    Args:
+        slug: a method with a summary, or a study (peft_bench, prompt_runs, optimizer_bench)
+        roots: run directories, or folders holding them
+        out: also write the figure to this file (PNG)
+        include_debug: also use debug runs (fast_dev_run, overfit_batches, limit_train_batches), left out by default
+        list_debug: only list the debug runs under the roots and why
+        options: the summary's own options (its keyword arguments)
+    """
+    summary = get_summary(slug)
     with including_debug_runs():
         debug = [r for r in read_runs(roots, "config.yaml", required=False) if r.debug]
-    if listing:
+    if list_debug:
         for run in debug:
             print(f"{run}  ({run.debug_reason})")
         print(f"{len(debug)} debug run(s)", file=sys.stderr)
@@ -133,8 +131,8 @@ def main(argv: Sequence[str]) -> int:
               "folders holding them", file=sys.stderr)
         return 2
     try:
-        with including_debug_runs(include), only_runs_of(run_filter):
-            text = summary.fn(roots, out, **args)
+        with including_debug_runs(include_debug), only_runs_of(run_filter):
+            text = summary.fn(roots, out, **options)
     except NoMethodRuns as exc:
         print(f"lowrank summarize {summary.slug}: {exc}{_skipped_note(run_filter)}", file=sys.stderr)
         return 1
@@ -151,7 +149,7 @@ def main(argv: Sequence[str]) -> int:
         print(out)
     if run_filter.skipped:
         print(f"lowrank summarize {summary.slug}: {_skipped_note(run_filter).removeprefix('; ')}", file=sys.stderr)
-    if debug and not include:
+    if debug and not include_debug:
         print(f"lowrank summarize: left out {len(debug)} debug run(s) (fast_dev_run, overfit_batches, limit_train_batches); "
               "--list-debug names them, --include-debug keeps them", file=sys.stderr)
     return 0

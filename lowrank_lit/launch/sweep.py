@@ -56,6 +56,7 @@ from typing import Any
 import yaml
 
 from lowrank_lit.launch.checks import PRUNE_ENV, yaml_syntax_error
+from lowrank_lit.launch.verbs import PassThrough, Typed
 from lowrank_lit.report import read_metric
 
 __all__ = ["SweepSpec", "SweepError", "SweepStopped", "load_sweep", "format_value", "run_sweep", "sweep_folder", "default_storage", "main"]
@@ -812,41 +813,42 @@ def summary_table(spec: SweepSpec, study: Any) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    """``lowrank sweep SWEEP.yaml [--n-trials N] [--storage URL] [--study-name S] ...``"""
-    import argparse
+def main(sweep_file: str, *, n_trials: int | None = None, storage: str | None = None, study_name: str | None = None,
+         run_root: str = "runs", seed: int | None = None, best_config: str | None = None, no_wandb: bool = False,
+         check: bool = False, parse: bool = False, extra: PassThrough = [], given: Typed = ()) -> int:  # noqa: B006
+    """Run a W&B sweep file offline with optuna (flags it does not know go to every trial's ``lowrank fit``).
 
-    parser = argparse.ArgumentParser(prog="lowrank sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweep_file", help="W&B sweep YAML (sweeps/<slug>.yaml)")
-    parser.add_argument("--n-trials", type=int, default=None,
-                        help="at most this many trials in this call (default: until every grid point, run_cap or 10 trials have finished)")
-    parser.add_argument("--storage", default=None, help="optuna storage shared by workers: sqlite:///x.db or x.journal "
-                        "(default: <run-root>/sweeps/<study>/study.journal; the same command continues a stopped sweep)")
-    parser.add_argument("--study-name", default=None, help="optuna study and W&B group (default: sweep file stem)")
-    parser.add_argument("--run-root", default="runs", help="folder for trial run directories (default: runs)")
-    parser.add_argument("--seed", type=int, default=None, help="sampler seed (default: SLURM_ARRAY_TASK_ID or 0)")
-    parser.add_argument("--best-config", default=None, help="where to write the best config (default: <run-root>/sweeps/<study>/best.yaml)")
-    parser.add_argument("--no-wandb", action="store_true", help="do not create a W&B run per trial")
-    parser.add_argument("--check", action="store_true",
-                        help="only validate the file, its config files and every swept key against them, run nothing "
-                        "(fast: imports neither Lightning nor torch)")
-    parser.add_argument("--parse", action="store_true",
-                        help="with --check: also parse every swept value through the real `lowrank fit` parser "
-                        "(what every sweep does before its first trial)")
-    opts, extra = parser.parse_known_args(argv)
-    if opts.n_trials is not None and opts.n_trials < 1:  # refused before a study or folder is created
-        print(f"lowrank sweep: error: --n-trials={opts.n_trials}; allowed: a positive integer (omit it to run until "
+    Args:
+        sweep_file: W&B sweep YAML (sweeps/<slug>.yaml)
+        n_trials: at most this many trials in this call (default: until every grid point, run_cap or 10 trials have
+            finished)
+        storage: optuna storage shared by workers: sqlite:///x.db or x.journal (default:
+            <run-root>/sweeps/<study>/study.journal; the same command continues a stopped sweep)
+        study_name: optuna study and W&B group (default: sweep file stem)
+        run_root: folder for trial run directories (default: runs)
+        seed: sampler seed (default: SLURM_ARRAY_TASK_ID or 0)
+        best_config: where to write the best config (default: <run-root>/sweeps/<study>/best.yaml)
+        no_wandb: do not create a W&B run per trial
+        check: only validate the file, its config files and every swept key against them, run nothing (fast: imports
+            neither Lightning nor torch)
+        parse: with --check: also parse every swept value through the real `lowrank fit` parser (what every sweep
+            does before its first trial)
+        extra: the flags passed on to every trial
+        given: the words after `lowrank sweep`
+    """
+    if n_trials is not None and n_trials < 1:  # refused before a study or folder is created
+        print(f"lowrank sweep: error: --n-trials={n_trials}; allowed: a positive integer (omit it to run until "
               "the sweep's budget is met)", file=sys.stderr)
         return 2
     from lowrank_lit.launch.run_dir import RunDirError, check_run_root
 
     try:
-        check_run_root(opts.run_root)
+        check_run_root(run_root)
     except RunDirError as exc:
         print(f"lowrank sweep: error: {str(exc).replace('--run_root', '--run-root', 1)}", file=sys.stderr)
         return 2
     try:
-        spec = load_sweep(opts.sweep_file)
+        spec = load_sweep(sweep_file)
         clashes = flag_clashes(spec, extra)
         if clashes:
             flag, key = clashes[0]
@@ -855,42 +857,42 @@ def main(argv: list[str]) -> int:
                 f"value would win in every trial. Drop the flag, or fix the key in the sweep file (`{key}: {{value: ...}}`)"
             )
         notes = static_check(spec)
-        if not opts.check or opts.parse:
+        if not check or parse:
             check_keys(spec)
     except SweepError as exc:
         print(f"lowrank sweep: error: {exc}", file=sys.stderr)
         return 2
-    if opts.check:
+    if check:
         if spec.method == "grid":
             size = f"grid of {len(spec.grid_points())} points"
         else:
             cap = f"run_cap {spec.run_cap}" if spec.run_cap else "--n-trials (default 10)"
             size = f"{spec.method} search: trials are drawn until {cap}"
-        parsed = "every swept value parsed by lowrank fit" if opts.parse else "keys checked against the config files"
+        parsed = "every swept value parsed by lowrank fit" if parse else "keys checked against the config files"
         print(f"{spec.path}: ok ({len(spec.parameters)} parameters, {size}; {parsed})")
-        for note in notes if not opts.parse else []:
+        for note in notes if not parse else []:
             print(f"  note: {note}")
         return 0
-    seed = opts.seed if opts.seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
-    study_name = opts.study_name or spec.path.stem
+    seed = seed if seed is not None else int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
+    study_name = study_name or spec.path.stem
     stopped: SweepStopped | None = None
     try:
-        study, _ = run_sweep(spec, n_trials=opts.n_trials, storage=opts.storage, study_name=study_name,
-                             run_root=opts.run_root, seed=seed, wandb=not opts.no_wandb, extra_args=extra, check=False)
+        study, _ = run_sweep(spec, n_trials=n_trials, storage=storage, study_name=study_name,
+                             run_root=run_root, seed=seed, wandb=not no_wandb, extra_args=extra, check=False)
     except SweepStopped as exc:
         stopped, study = exc, exc.study
-    code = _report(spec, study, opts, stopped is not None)
+    code = _report(spec, study, run_root, best_config, stopped is not None)
     if stopped is not None:
-        again = shlex.join(["lowrank", "sweep", *argv])
+        again = shlex.join(["lowrank", "sweep", *given])
         print(f"\nlowrank sweep: stopped by {stopped.signal_name}; the study is saved, continue it with: {again}",
               file=sys.stderr, flush=True)
         return 128 + int(getattr(signal, stopped.signal_name))
     return code
 
 
-def _report(spec: SweepSpec, study: Any, opts: Any, stopped: bool) -> int:
+def _report(spec: SweepSpec, study: Any, run_root: str, best_config_path: str | None, stopped: bool) -> int:
     """Print and save the table of every trial, and write the best config of what finished."""
-    folder = sweep_folder(opts.run_root, study.study_name)
+    folder = sweep_folder(run_root, study.study_name)
     table = summary_table(spec, study)
     print()
     print(table)
@@ -901,7 +903,7 @@ def _report(spec: SweepSpec, study: Any, opts: Any, stopped: bool) -> int:
     except ValueError:
         print("\nno trial completed", file=sys.stderr)
         return 1
-    out = Path(opts.best_config or folder / "best.yaml")
+    out = Path(best_config_path or folder / "best.yaml")
     best_config(spec, study, out)
     print(f"\nbest{' so far' if stopped else ''}: trial {best.number}  {spec.metric}={best.value:.6g}  "
           + " ".join(best.user_attrs.get("overrides", [])))
