@@ -302,13 +302,13 @@ def test_orphaned_running_trial_is_rerun(tmp_path):
     """A trial left RUNNING by a killed worker on this host (kill -9) is recorded as interrupted and run again."""
     import optuna
 
-    from lowrank_lit.launch.sweep import _storage, default_storage, suggest
+    from lowrank_lit.launch.sweep import default_storage, optuna_storage, suggest
 
     path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  values: [0.001, 0.002]\n")
     runs = tmp_path / "runs"
     journal = default_storage(runs, "st")
     journal.parent.mkdir(parents=True)
-    study = optuna.create_study(study_name="st", storage=_storage(str(journal)))
+    study = optuna.create_study(study_name="st", storage=optuna_storage(str(journal)))
     study.enqueue_trial({"model.init_args.optimizer.init_args.lr": 0.002})
     trial = study.ask()
     suggest(trial, load_sweep(path))
@@ -383,3 +383,16 @@ def test_bad_early_terminate_is_one_line_error(tmp_path):
     path.write_text(path.read_text() + "early_terminate:\n  type: median\n")
     with pytest.raises(SweepError, match=r"early_terminate=.*allowed: \{type: hyperband"):
         load_sweep(path)
+
+
+def test_trial_experiment_is_decided_before_the_trial_starts(tmp_path):
+    """The sweep tells each trial its experiment (so its run directory is known before it starts), decided as the
+    CLI decides it: the last --experiment flag, else the last config file's `experiment:` key, else the config path."""
+    from lowrank_lit.launch.sweep import trial_experiment
+
+    named = tmp_path / "named.yaml"
+    named.write_text("experiment: mine/x\n")
+    plain = "configs/baseline/mlp_digits.yaml"
+    assert trial_experiment(["fit", "--config", plain]) == "baseline/mlp_digits"
+    assert trial_experiment(["fit", "--config", plain, "--config", str(named)]) == "mine/x"
+    assert trial_experiment(["fit", "--config", str(named), "--experiment", "e1", "--experiment=e2"]) == "e2"

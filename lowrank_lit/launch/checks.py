@@ -92,10 +92,6 @@ class ConfigError(Exception):
     """A config value was accepted by the parser but rejected by the class it configures."""
 
 
-#: environment variable that hands a sweep trial its optuna study (JSON: storage, study, trial_id, metric,
-#: early_terminate); ``lowrank fit`` then adds :class:`lowrank_lit.launch.pruning.SweepPruning`
-PRUNE_ENV = "LOWRANK_SWEEP_PRUNE"
-
 #: ckpt_path values Lightning resolves itself (not file names)
 _CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 _INPUT_KEY_RE = re.compile(r"(^|\.)(ckpt_path|[a-z_]*_ckpt|init_from)$")

@@ -9,7 +9,6 @@ without parsing or running anything (the sweep runner checks swept values with i
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 from typing import Any
@@ -26,7 +25,6 @@ from lowrank_lit.callbacks.resume import ResumeCheckpoint
 from lowrank_lit.callbacks.rng import RNGStateCheckpoint
 from lowrank_lit.launch.checks import (
     LIGHTNING_COMMANDS,
-    PRUNE_ENV,
     ConfigError,
     RunSpec,
     check_input_files,
@@ -349,9 +347,6 @@ class LowrankCLI(LightningCLI):
                     init_args=Namespace(every_n_train_steps=int(every)),
                 )
             )
-        if subcommand == "fit" and os.environ.get(PRUNE_ENV):  # a sweep trial with early_terminate
-            entries.append(Namespace(class_path="lowrank_lit.launch.pruning.SweepPruning",
-                                     init_args=Namespace(**json.loads(os.environ[PRUNE_ENV]))))
         wants_bar = trainer_cfg.get("enable_progress_bar") is not False
         if wants_bar and not any(issubclass(c, ProgressBar) for c in classes) and not stdout_is_terminal():
             entries.append(Namespace(class_path="lowrank_lit.callbacks.LogProgress", init_args=Namespace()))

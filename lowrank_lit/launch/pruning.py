@@ -1,7 +1,8 @@
 """Early termination of sweep trials: report the sweep's metric to its optuna study and stop when pruned.
 
-``lowrank sweep`` on a file with W&B's ``early_terminate: {type: hyperband, ...}`` hands each trial its study through
-the ``LOWRANK_SWEEP_PRUNE`` environment variable; ``lowrank fit`` then adds :class:`SweepPruning`, which after every
+``lowrank sweep`` on a file with W&B's ``early_terminate: {type: hyperband, ...}`` gives each trial one more callback
+on its command line (``--trainer.callbacks+=lowrank_lit.launch.pruning.SweepPruning`` and its ``init_args``, parsed
+by LightningCLI like any other): :class:`SweepPruning`, which after every
 validation round reports the metric (step = the round, 1, 2, ...) and, when optuna's ``HyperbandPruner`` says the
 trial cannot reach the next rung, records the round in the trial (``pruned_at``) and stops fit at that point. The
 sweep records the trial as ``PRUNED``.
@@ -14,7 +15,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lowrank_lit.launch.sweep import _storage, make_pruner
+from lowrank_lit.launch.sweep import make_pruner, optuna_storage
 
 __all__ = ["SweepPruning"]
 
@@ -42,7 +43,7 @@ class SweepPruning(Callback):
             import optuna
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)
-            study = optuna.load_study(study_name=self.study_name, storage=_storage(self.storage),
+            study = optuna.load_study(study_name=self.study_name, storage=optuna_storage(self.storage),
                                       pruner=make_pruner(self.early_terminate))
             self._trial = optuna.trial.Trial(study, self.trial_id)
         return self._trial

@@ -55,7 +55,7 @@ from typing import Any
 
 import yaml
 
-from lowrank_lit.launch.checks import PRUNE_ENV, yaml_syntax_error
+from lowrank_lit.launch.checks import config_files, experiment_from_configs, yaml_syntax_error
 from lowrank_lit.launch.verbs import PassThrough, Typed
 from lowrank_lit.report import read_metric
 
@@ -500,15 +500,18 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
         args += ["--config", str(_preset("wandb.yaml"))]
     layered = {k: v for k, v in params.items() if k == CONFIG_KEY}  # a swept config file, then the command line's
     rest = {k: v for k, v in params.items() if k != CONFIG_KEY}  # own flags, then the other swept keys
-    args += [*overrides_to_args(layered), *extra_args, *overrides_to_args(rest), "--run_root", str(run_root),
-             "--run_id", run_id]
+    args += [*overrides_to_args(layered), *extra_args, *overrides_to_args(rest)]
+    experiment = trial_experiment(args)
+    run_dir = run_root / experiment / run_id  # fixed before the trial starts: the CLI is told all three
+    args += ["--run_root", str(run_root), "--experiment", experiment, "--run_id", run_id]
+    if prune is not None:  # one more callback, given last so that its init_args flags reach it
+        args += ["--trainer.callbacks+=lowrank_lit.launch.pruning.SweepPruning",
+                 *[f"--trainer.callbacks.init_args.{k}={json.dumps(v) if isinstance(v, dict) else v}"
+                   for k, v in prune.items()]]
     if resume_run_id is not None:
         args += ["--ckpt_path", "last"]
     env = {**os.environ, "WANDB_RUN_GROUP": study_name}
     env.pop("LOWRANK_RUN_DIR", None)
-    env.pop(PRUNE_ENV, None)
-    if prune is not None:
-        env[PRUNE_ENV] = json.dumps(prune)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{run_id}.log"
     with log_path.open("a" if resume_run_id else "w") as log:
@@ -523,21 +526,39 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
         finally:
             if stop is not None:
                 stop.child = None
-    found = [p for p in run_root.rglob(run_id) if p.is_dir()]
-    run_dir = found[0] if found else None
-    where = str(run_dir) if run_dir else None
+    where = str(run_dir) if run_dir.is_dir() else None
     if stop is not None and stop.name is not None:
         return TrialResult(number, params, "INTERRUPTED", None, where, f"interrupted by {stop.name} (log: {log_path})")
     if proc.returncode != 0:
         tail = [ln for ln in log_path.read_text().splitlines() if ln.strip()][-1:] or ["(no output)"]
         return TrialResult(number, params, "FAIL", None, where, f"exit {proc.returncode}: {tail[0][:200]} (log: {log_path})")
     try:
-        value = read_metric(run_dir / "metrics.csv" if run_dir else Path("missing"), spec.metric)
+        value = read_metric(run_dir / "metrics.csv", spec.metric)
     except RuntimeError as exc:
         return TrialResult(number, params, "FAIL", None, where, str(exc))
     if math.isnan(value):
         return TrialResult(number, params, "FAIL", None, where, f"{spec.metric} is NaN")
     return TrialResult(number, params, "COMPLETE", value, where)
+
+
+def trial_experiment(args: Sequence[str]) -> str:
+    """The experiment a ``lowrank fit`` command line writes to, as the CLI decides it: the last ``--experiment`` flag,
+    else the last ``experiment:`` key of its config files, else the name :func:`experiment_from_configs` derives from
+    them. The sweep passes it to every trial, so each trial's run directory is known before it starts."""
+    flags = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
+             if a.split("=", 1)[0] == "--experiment" and ("=" in a or i + 1 < len(args))]
+    if flags:
+        return flags[-1]
+    files = config_files(args)
+    keys = []
+    for f in files:
+        try:
+            data = yaml.safe_load(Path(f).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict) and data.get("experiment"):
+            keys.append(str(data["experiment"]))
+    return keys[-1] if keys else experiment_from_configs(files)
 
 
 def _preset(name: str) -> Path:
@@ -702,7 +723,7 @@ def run_sweep(
     if "://" not in storage:
         Path(storage).parent.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=study_name, storage=_storage(storage), pruner=make_pruner(spec.early_terminate),
+    study = optuna.create_study(study_name=study_name, storage=optuna_storage(storage), pruner=make_pruner(spec.early_terminate),
                                 direction="minimize" if spec.goal == "minimize" else "maximize", load_if_exists=True)
     # a restart must not draw the points of the first start again: the seed moves on with the study
     base = 0 if seed is None else seed
@@ -754,7 +775,7 @@ def run_sweep(
     return study, results
 
 
-def _storage(storage: str | None) -> Any:
+def optuna_storage(storage: str | None) -> Any:
     if storage is None:
         return None
     if "://" in storage:
