@@ -25,7 +25,7 @@ from pathlib import Path
 from time import strftime
 from typing import Literal
 
-from lowrank_lit.launch.sweep import default_storage, sweep_folder
+from lowrank_lit.launch.sweep_study import default_storage, sweep_folder
 from lowrank_lit.launch.verbs import PassThrough, Typed
 
 __all__ = ["render_script", "main"]
