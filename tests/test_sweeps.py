@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -139,6 +140,19 @@ def test_two_workers_split_a_grid(tmp_path):
     assert lrs == [0.001, 0.002, 0.003, 0.004]  # each grid point exactly once
     ran = [ln for out, _ in outs for ln in out.splitlines() if ln.startswith("trial ")]
     assert len(ran) == 4  # and no worker ran a point twice
+
+
+def test_worker_threads_split_a_grid_in_one_process(tmp_path, monkeypatch, capsys):
+    """`run_sweep(workers=2)` (what `lowrank matrix --jobs 2` calls): two trials at once from one process, each grid
+    point once, and the trials' run directories where the sweep fixed them."""
+    path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  values: [0.001, 0.002, 0.003, 0.004]\n")
+    monkeypatch.chdir(ROOT)
+    study, results = run_sweep(path, storage=str(tmp_path / "study.journal"), study_name="g", run_root=tmp_path / "runs",
+                               wandb=False, extra_args=list(TINY), check=False, workers=2)
+    assert sorted(r.params["model.init_args.optimizer.init_args.lr"] for r in results) == [0.001, 0.002, 0.003, 0.004]
+    assert all(r.state == "COMPLETE" for r in results), [r.error for r in results]
+    assert len({r.run_dir for r in results}) == 4 and all(Path(r.run_dir).is_dir() for r in results)
+    assert len({t.user_attrs["worker"] for t in study.trials}) == 1  # one process
 
 
 # ----------------------------------------------------------------------------------------- static check

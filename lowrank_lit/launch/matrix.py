@@ -23,9 +23,10 @@ dotted keys) that are layered onto the base config in axis order::
    that fails is named in one line with the two components responsible (each fragment alone on the base, then
    each pair) and marked ``incompatible`` in the table; it never runs;
 3. per seed, the cells without a finished run of that seed are a W&B grid sweep file
-   (``<root>/matrix.seed<S>.sweep.yaml``: ``config`` x ``seed_everything``) that ``lowrank sweep`` runs: ``--jobs N``
-   starts N workers on one study, a SLURM array runs the same file (``lowrank submit``), and running the command
-   again (or with other ``--seeds``) runs only what is not finished on disk;
+   (``<root>/matrix.seed<S>.sweep.yaml``: ``config`` x ``seed_everything``) run in this process by the sweep API
+   (:func:`~lowrank_lit.launch.sweep.run_sweep`; only the trials are subprocesses): ``--jobs N`` runs N trials at
+   once on one study, a SLURM array runs the same file (``lowrank submit``), and running the command again (or with
+   other ``--seeds``) runs only what is not finished on disk;
 4. the table (``<root>/matrix.csv`` and ``matrix.md``: per cell the mean and spread over seeds of each metric,
    the run folders and the command that reproduces each run) and a heatmap per metric (``matrix_<metric>.png``).
 """
@@ -37,8 +38,8 @@ import dataclasses
 import itertools
 import os
 import shlex
+import signal
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -421,6 +422,29 @@ def _check_only(grid: Grid, base: str, tmp: Path, name: str, root: Path, argv: S
     return 0 if not bad else 1
 
 
+def _run_cells(sweep: Path, study: str, folder: Path, n_trials: int | None, workers: int, extra: list[str]) -> int:
+    """Run one seed's cells: its grid sweep in this process, ``workers`` trials (``lowrank fit`` subprocesses) at
+    once, in the matrix's journal. 0 when it ran to its end; 2 for a refused flag; 128 + the signal number when
+    stopped (finished cells are kept: the same command continues)."""
+    from lowrank_lit.launch.sweep import SweepError, SweepStopped, flag_clashes, load_sweep, run_sweep
+
+    try:
+        spec = load_sweep(sweep)
+        clashes = flag_clashes(spec, extra)
+        if clashes:
+            raise SweepError(f"--{clashes[0][0]} sets {clashes[0][1]!r}, which the grid varies; drop the flag")
+        run_sweep(spec, n_trials=n_trials, storage=str(folder / "matrix.journal"), study_name=study, run_root=folder,
+                  seed=0, wandb=False, extra_args=list(extra), check=True, workers=workers)
+    except SweepError as exc:
+        print(f"lowrank matrix: error: {exc}", file=sys.stderr)
+        return 2
+    except SweepStopped as stopped:
+        print(f"lowrank matrix: stopped by {stopped.signal_name}; finished cells are kept, run the same command "
+              "again to continue", file=sys.stderr, flush=True)
+        return 128 + int(getattr(signal, stopped.signal_name))
+    return 0
+
+
 def main(*, grid: str, config: str | None = None, root: str | None = None, jobs: int = 1, check: bool = False,
          limit: int | None = None, seeds: list[int] | None = None, pivot: str | None = None,
          extra: PassThrough = [], given: Typed = ()) -> int:  # noqa: B006
@@ -432,7 +456,7 @@ def main(*, grid: str, config: str | None = None, root: str | None = None, jobs:
         grid: the grid file (axes of named config fragments)
         config: the base config (default: the grid file's `config`)
         root: the matrix folder (default: runs/matrix/<grid name>)
-        jobs: cells run at once, each in its own process (default 1)
+        jobs: runs at once, each a `lowrank fit` subprocess (default 1)
         check: build every cell and report, run nothing
         limit: run at most this many runs in this call (smoke)
         seeds: run (and tabulate) only these seeds of the grid's
@@ -483,14 +507,9 @@ def main(*, grid: str, config: str | None = None, root: str | None = None, jobs:
         n = cells if budget is None else min(cells, budget)
         if n <= 0:
             break
-        cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(sweep), "--run-root", str(folder), "--no-wandb",
-               "--storage", str(folder / "matrix.journal"), "--study-name", study, "--n-trials",
-               str(max(1, n // jobs) if budget is not None else n), *extra]
-        workers = [subprocess.Popen(cmd) for _ in range(min(jobs, n))]
-        codes = [w.wait() for w in workers]
-        if any(c not in (0, 1) for c in codes):  # 1: no trial completed in that worker (e.g. all taken)
-            print(f"lowrank matrix: a sweep worker exited with {max(codes)}; finished cells are kept, run the same "
-                  "command again to continue", file=sys.stderr)
+        code = _run_cells(sweep, study, folder, n if budget is not None else None, min(jobs, n), extra)
+        if code:
+            return code
         if budget is not None:
             budget -= n
     rows = collect(spec, base, folder, name, files, bad, extra)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,7 @@ def run_sweep(
     wandb: bool = True,
     extra_args: list[str] | None = None,
     check: bool = True,
+    workers: int = 1,
 ) -> tuple[Any, list[TrialResult]]:
     """Run (this worker's share of) a sweep and return the optuna study and this worker's trials.
 
@@ -227,6 +229,8 @@ def run_sweep(
         wandb: log each trial to W&B (offline unless logged in). Default: True.
         extra_args: more ``lowrank fit`` flags for every trial (e.g. a smaller budget).
         check: parse every swept value through the CLI before the first trial. Default: True.
+        workers: trials run at once, each a ``lowrank fit`` subprocess started by its own thread of this process
+            (``lowrank matrix --jobs``). ``n_trials`` counts the trials of all of them. Default: 1.
 
     Raises:
         SweepStopped: SIGINT or SIGTERM arrived; the running trial was stopped and recorded as interrupted.
@@ -255,42 +259,77 @@ def run_sweep(
     else:
         cap = spec.run_cap or (10 if n_trials is None else None)
     results: list[TrialResult] = []
-    with StopRelay() as stop:
-        _requeue_interrupted(study)
-        while stop.name is None and (n_trials is None or len(results) < n_trials):
+    started = 0
+    lock = threading.Lock()  # claiming a trial and recording one are one worker at a time; trials run side by side
+    failures: list[BaseException] = []
+
+    def claim() -> tuple[Any, dict[str, Any]] | None:
+        nonlocal started
+        while stop.name is None and (n_trials is None or started < n_trials):
             trial = _next_trial(study, spec, cap, rng)
             if trial is None:
-                break
+                return None
             trial.set_user_attr("worker", _worker_id())
             params = suggest(trial, spec)
             if _duplicate(study, trial, spec):
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                 continue
             trial.set_user_attr("overrides", overrides_to_args(params))
-            prune = None if spec.early_terminate is None else {
-                "storage": storage, "study": study_name, "trial_id": trial._trial_id, "metric": spec.metric,
-                "early_terminate": spec.early_terminate}
-            res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
-                            extra_args=list(extra_args or []), log_dir=sweep_folder(run_root, study_name) / "logs",
-                            resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop, prune=prune)
-            pruned_at = study._storage.get_trial(trial._trial_id).user_attrs.get("pruned_at")
-            if pruned_at is not None and res.state == "COMPLETE":
-                res = TrialResult(res.number, res.params, "PRUNED", res.value, res.run_dir,
-                                  f"stopped early by the pruner after validation round {pruned_at}")
-            results.append(res)
-            print(_trial_line(res, spec.metric), flush=True)
-            if res.run_dir:
-                trial.set_user_attr("run_dir", res.run_dir)
-            if res.state == "COMPLETE":
-                study.tell(trial, float(res.value))
-                continue
-            if res.state == "PRUNED":
-                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                continue
+            started += 1
+            return trial, params
+        return None
+
+    def record(trial: Any, res: TrialResult) -> None:
+        pruned_at = study._storage.get_trial(trial._trial_id).user_attrs.get("pruned_at")
+        if pruned_at is not None and res.state == "COMPLETE":
+            res = TrialResult(res.number, res.params, "PRUNED", res.value, res.run_dir,
+                              f"stopped early by the pruner after validation round {pruned_at}")
+        results.append(res)
+        print(_trial_line(res, spec.metric), flush=True)
+        if res.run_dir:
+            trial.set_user_attr("run_dir", res.run_dir)
+        if res.state == "COMPLETE":
+            study.tell(trial, float(res.value))
+        elif res.state == "PRUNED":
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        else:
             trial.set_user_attr("error", res.error)
             if res.state == "INTERRUPTED":
                 trial.set_user_attr("interrupted", True)
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    def work() -> None:
+        try:
+            while True:
+                with lock:
+                    claimed = claim()
+                if claimed is None:
+                    return
+                trial, params = claimed
+                prune = None if spec.early_terminate is None else {
+                    "storage": storage, "study": study_name, "trial_id": trial._trial_id, "metric": spec.metric,
+                    "early_terminate": spec.early_terminate}
+                res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
+                                extra_args=list(extra_args or []), log_dir=sweep_folder(run_root, study_name) / "logs",
+                                resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop, prune=prune)
+                with lock:
+                    record(trial, res)
+        except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
+            failures.append(exc)
+
+    with StopRelay() as stop:
+        _requeue_interrupted(study)
+        if workers == 1:
+            work()
+        else:
+            threads = [threading.Thread(target=work, name=f"sweep-worker-{i}", daemon=True) for i in range(workers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():  # short joins: a signal is handled by this (the main) thread meanwhile
+                    t.join(0.2)
+        if failures:
+            raise failures[0]
         if stop.name is not None:
             raise SweepStopped(stop.name, study, results)
     return study, results

@@ -34,11 +34,12 @@ class TrialResult:
 
 
 class StopRelay:
-    """SIGINT/SIGTERM handlers of the sweep process: note the signal, pass it on to the running trial."""
+    """SIGINT/SIGTERM handlers of the sweep process: note the signal, pass it on to every running trial (one per
+    worker thread)."""
 
     def __init__(self) -> None:
         self.name: str | None = None
-        self.child: subprocess.Popen | None = None
+        self.children: set[subprocess.Popen] = set()
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRelay:
@@ -55,12 +56,13 @@ class StopRelay:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        running = [c for c in list(self.children) if c.poll() is None]
         if self.name is None:
-            where = " (stopping the running trial at its next batch boundary)" if self.child is not None else ""
+            where = " (stopping the running trial at its next batch boundary)" if running else ""
             print(f"\n{name}: stopping the sweep{where}", file=sys.stderr, flush=True)
         self.name = self.name or name
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signum)  # a second Ctrl+C reaches the trial too: it aborts at once
+        for child in running:
+            child.send_signal(signum)  # a second Ctrl+C reaches the trials too: they abort at once
 
 
 def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_name: str, run_root: Path,
@@ -97,14 +99,14 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
         # its own session: a Ctrl+C at the terminal reaches the trial only through the sweep (once)
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         if stop is not None:
-            stop.child = proc
+            stop.children.add(proc)
             if stop.name is not None:  # the signal came while the trial was starting
                 proc.send_signal(getattr(signal, stop.name))
         try:
             proc.wait()
         finally:
             if stop is not None:
-                stop.child = None
+                stop.children.discard(proc)
     where = str(run_dir) if run_dir.is_dir() else None
     if stop is not None and stop.name is not None:
         return TrialResult(number, params, "INTERRUPTED", None, where, f"interrupted by {stop.name} (log: {log_path})")
