@@ -275,9 +275,10 @@ def test_must_show_prefixes_vs_weight_tuning(torso):
     """One torso per test (each about half of the whole), 3 seeds: HardPT within 0.15 of the exact best hard
     prefix; SoftPT and FullWT below half of it (single coin); on the two-coin mixture every prefix method > 0.5
     nats and FullWT below every prefix method. One pretraining per seed is shared by its ten tuning runs. Each check
-    is judged by the verdict rule paired by seed; "within 0.15" as two one-sided claims that both hold. All hold
-    but the LSTM's SoftPT above 0.5 nats on the mixture, a tie (0.597 +- 0.049 over three seeds: the interval
-    [0.48, 0.72] contains 0.5)."""
+    is judged by the verdict rule paired by seed; "within 0.15" as two one-sided claims. All hold but two ties: the
+    LSTM's SoftPT above 0.5 nats on the mixture (0.597 +- 0.049 over three seeds: the interval [0.47, 0.72] contains
+    0.5), and the Transformer's HardPT not more than 0.15 above the exact best hard prefix (one thread: HardPT
+    0.569 / 0.602 / 0.627 against 0.596 / 0.589 / 0.544, interval [-0.161, +0.116] for best - HardPT against -0.15)."""
     from lowrank_lit.report import last_values
     from lowrank_lit.stats import expect_verdict
 
@@ -300,12 +301,17 @@ def test_must_show_prefixes_vs_weight_tuning(torso):
                     (metrics,) = (root / f"bayes_prefix/{cfg}/{run_id}").rglob("metrics.csv")
                     values = last_values(metrics)
                     res.setdefault((target, cfg), []).append(values["test/regret_t50"])
-                    exact.setdefault(target, []).append(values["test/bayes_besthard_regret_t50"])
+                    if cfg == "prefix_hard":  # the exact predictor's regret: one per seed (every config reports it)
+                        exact.setdefault(target, []).append(values["test/bayes_besthard_regret_t50"])
     print(torso, res, exact)
     best = exact["categorical"]  # per seed: the exact predictor with the best hard prefix (seed order as res)
+    assert all(len(v) == 3 for v in (*res.values(), *exact.values())), "one value per seed, paired by seed"
     hard = res["categorical", "prefix_hard"]
     expect_verdict("holds", hard, best, margin=-0.15, claim=f"{torso}: HardPT > best hard prefix - 0.15")
-    expect_verdict("holds", best, hard, margin=-0.15, claim=f"{torso}: HardPT < best hard prefix + 0.15")
+    # the Transformer's HardPT moves with the thread count (0.599 at one thread, 0.652 in the two-thread sweep):
+    # "not more than 0.15 above" is a tie at one thread ([-0.161, +0.116] against -0.15, seeds 0-2)
+    upper = ("tie", "holds") if torso == "transformer" else "holds"
+    expect_verdict(upper, best, hard, margin=-0.15, claim=f"{torso}: HardPT < best hard prefix + 0.15")
     half = [b / 2 for b in best]  # lower regret is better: half - ours > 0
     expect_verdict("holds", half, res["categorical", "prefix_soft"], claim=f"{torso}: SoftPT below half of best hard")
     expect_verdict("holds", half, res["categorical", "weights_full"], claim=f"{torso}: FullWT below half of best hard")
