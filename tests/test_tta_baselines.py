@@ -500,11 +500,11 @@ def test_trust_row_config_runs_on_the_harder_streams(setting, ln_vmamba_source, 
 
 def test_the_trust_rows_grid_builds_every_cell(ln_vmamba_source, tmp_path, monkeypatch, capsys):
     """`lowrank matrix --grid grids/tta_vmamba.yaml --check`: every method fragment fits the VMamba base config."""
-    from lowrank_lit.launch.matrix import main
+    from lowrank_lit.cli import main
     from tests.helpers import ROOT
 
     monkeypatch.chdir(ROOT)
-    assert main(["--grid", "grids/tta_vmamba.yaml", "--root", str(tmp_path / "m"), "--check",
+    assert main(["matrix", "--grid", "grids/tta_vmamba.yaml", "--root", str(tmp_path / "m"), "--check",
                  f"--model.init_args.source_ckpt={ln_vmamba_source}"]) == 0
     assert "30 cells build, 0 incompatible" in capsys.readouterr().out
 
@@ -565,13 +565,13 @@ def test_must_show_batch_statistics_fail_under_label_correlation_and_source_igno
 
 def test_the_table_grid_runs_a_limited_smoke(bn_source, tmp_path, monkeypatch, capsys):
     """`lowrank matrix --grid grids/tta.yaml --limit 2` with a short stream: two cells run and land in the table."""
-    from lowrank_lit.launch.matrix import main
+    from lowrank_lit.cli import main
     from tests.helpers import ROOT
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("WANDB_MODE", "offline")
     root = tmp_path / "m"
-    assert main(["--grid", "grids/tta.yaml", "--root", str(root), "--limit", "2", "--seeds", "0", "--pivot", "stream",
+    assert main(["matrix", "--grid", "grids/tta.yaml", "--root", str(root), "--limit", "2", "--seeds", "0", "--pivot", "stream",
                  f"--model.init_args.source_ckpt={bn_source}", "--data.init_args.recurrences=1",
                  "--data.init_args.batches_per_visit=2"]) == 0
     table = (root / "matrix.md").read_text()
