@@ -81,7 +81,7 @@ def _add(parser: Any, param: inspect.Parameter, hint: Any, help_text: str) -> No
     element, is_list = _element(hint)
     empty = inspect.Parameter.empty
     if param.kind is inspect.Parameter.VAR_POSITIONAL:
-        parser.add_argument(param.name, type=hint, nargs="*", help=help_text)
+        parser.add_argument(param.name, type=hint, nargs="*", default=[], help=help_text)  # a default: not "required"
     elif param.kind is not inspect.Parameter.KEYWORD_ONLY:
         if param.default is empty:
             parser.add_argument(param.name, type=element, nargs="+" if is_list else None, help=help_text)
