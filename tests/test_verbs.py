@@ -142,3 +142,4 @@ def test_every_summary_options_parse():
         assert {"out", "include_debug", "roots"} <= {a.dest for a in parser._actions}
     strank = parser_for(main, "lowrank summarize strank", get_summary("strank").fn)
     assert strank.parse_args(["strank", "r", "--metric", "test/mse"]).metric == "test/mse"
+    assert get_summary("strank").help in strank.description  # the summary's own line in its --help

@@ -6,11 +6,10 @@ The summary function is the one a method registers (``register_method(..., summa
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +28,19 @@ __all__ = ["Summary", "get_summary", "studies", "summary_options", "main"]
 
 @dataclass(frozen=True)
 class Summary:
-    """A method's summary: ``fn(roots, out, **options) -> markdown`` plus its extra command-line options.
+    """A method's summary: ``fn(roots, out, **options) -> markdown``; its keyword arguments after ``roots`` and
+    ``out`` are the extra options of ``lowrank summarize <slug>`` (:func:`summary_options`).
 
     Attributes:
         slug: the method's registered slug.
         fn: reads the runs under ``roots`` (run directories or folders holding them), returns the
             markdown table, and writes a figure to ``out`` when it is given.
-        options: extra ``--name`` options of ``lowrank summarize <slug>`` -> their default values.
-        help: one line for ``lowrank summarize --help``.
+        help: one line for ``lowrank summarize <slug> --help`` (the docstring's first line).
         module: the registered method's module (its runs build its classes); None for a benchmark.
     """
 
     slug: str
     fn: Callable[..., str]
-    options: dict[str, Any] = field(default_factory=dict)
     help: str = ""
     module: str | None = None
 
@@ -64,9 +62,8 @@ EXTRA_STUDIES: dict[str, str] = {}
 
 
 def get_summary(slug: str) -> Summary:
-    """The summary the registration of ``slug`` names (or the study ``slug`` of :func:`studies`),
-    with its options (the function's keyword arguments after ``roots`` and ``out``, with their defaults) and its
-    help (the docstring's first line).
+    """The summary the registration of ``slug`` names (or the study ``slug`` of :func:`studies`), with its help (the
+    docstring's first line).
 
     Raises:
         KeyError: no method or study ``slug``, or the method names no summary (both name the ones that do).
@@ -85,9 +82,7 @@ def get_summary(slug: str) -> Summary:
         raise KeyError(f"{slug!r} {what}; methods with a summary: {known}; studies: {', '.join(known_studies)}")
     module, _, name = path.rpartition(".")
     fn = getattr(importlib.import_module(module), name)
-    params = list(inspect.signature(fn).parameters.values())[2:]
-    options = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-    return Summary(slug, fn, options, (fn.__doc__ or "").strip().splitlines()[0],
+    return Summary(slug, fn, (fn.__doc__ or "").strip().splitlines()[0],
                    info.target.rpartition(".")[0] if info is not None else None)
 
 

@@ -120,7 +120,9 @@ def parser_for(fn: Callable[..., Any], prog: str, options_from: Callable[..., An
         _add(parser, param, hints.get(param.name, str), helps.get(param.name, ""))
     if options_from is not None:
         extra_hints = typing.get_type_hints(options_from)
-        _, extra_helps = _docs(options_from)
+        extra_description, extra_helps = _docs(options_from)
+        if extra_description:  # what this particular function does (a summary's first line)
+            parser.description = f"{description}\n\n{extra_description.splitlines()[0]}"
         taken = {a.dest for a in parser._actions}
         for param in inspect.signature(options_from).parameters.values():
             if param.default is inspect.Parameter.empty or param.kind is inspect.Parameter.VAR_KEYWORD \
