@@ -80,6 +80,11 @@ CASES = [
                  "model.init_args.optimizer.init_args.lr=-0.001; allowed: a number > 0", id="negative-lr"),
     pytest.param(["fit", "--config", MLP, "--model.init_args.optimizer.init_args.lr=0"],
                  "model.init_args.optimizer.init_args.lr=0", id="zero-lr"),
+    # our learning rates are typed (lowrank_lit.argtypes.LearningRate): the parser refuses them
+    pytest.param(["fit", "--config", str(CONFIGS / "masked_block_icl" / "compute_limited.yaml"), "--model.init_args.lr=0"],
+                 "model.init_args.lr='0'; allowed: a number > 0 (a learning rate)", id="typed-lr-zero"),
+    pytest.param(["test", "--config", str(CONFIGS / "tta" / "digits_rotta.yaml"), "--model.init_args.method.init_args.lr=abc"],
+                 "model.init_args.method.init_args.lr='abc'; allowed: a number > 0", id="typed-lr-not-a-number"),
     pytest.param(["fit", "--config", MLP, "--trainer.max_epochs=-3"],
                  "trainer.max_epochs=-3; allowed: -1 (no limit), 0 or a positive integer", id="negative-epochs"),
     pytest.param(["fit", "--config", MLP, "--trainer.max_epochs=0"], "trainer.max_epochs=0 trains nothing", id="zero-epochs"),

@@ -13,7 +13,7 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 PACKAGE = ROOT / "lowrank_lit"
-SHARED = ("nn", "models", "data", "linalg", "tta", "optim", "callbacks", "report", "registry", "loggers", "envs", "checkpoint",
+SHARED = ("nn", "models", "data", "linalg", "argtypes", "tta", "optim", "callbacks", "report", "registry", "loggers", "envs", "checkpoint",
           "studies")
 
 

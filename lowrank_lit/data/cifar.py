@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.loader import ResumableDataLoader
 
 __all__ = ["CIFAR10DataModule"]
@@ -40,7 +41,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        data_dir: str,
+        data_dir: InputPath,
         batch_size: int = 128,
         num_workers: int = 4,
         val_size: int = 5000,

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.corruptions import STREAM_SETTINGS, StreamDataset, index_plan
 
 __all__ = ["CIFAR10CDataModule", "CIFAR10C_CORRUPTIONS"]
@@ -56,7 +57,7 @@ class CIFAR10CDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        data_dir: str,
+        data_dir: InputPath,
         cifar10_dir: str | None = None,
         corruptions: list[str] | None = None,
         severity: int = 5,

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import Dataset
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.heads import gaze_from_angles
 from lowrank_lit.data.loader import ResumableDataLoader
 
@@ -75,7 +76,7 @@ class GazeFolderDataModule(pl.LightningDataModule):
         num_workers: image-decoding processes. Default: 8.
     """
 
-    def __init__(self, root: str, train_csv: str, val_csv: str, test_csvs: dict[str, str], image_size: int = 224,
+    def __init__(self, root: InputPath, train_csv: InputPath, val_csv: InputPath, test_csvs: dict[str, InputPath], image_size: int = 224,
                  batch_size: int = 256, num_workers: int = 8) -> None:
         super().__init__()
         if not test_csvs:

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.tensor import TensorDataModule
 from lowrank_lit.data.text_tasks import WORDS, _split_words
 from lowrank_lit.seeding import run_seed
@@ -392,8 +393,8 @@ class TextICLDataModule(TensorDataModule):
 
     collate_fn = staticmethod(collate_icl)
 
-    def __init__(self, scorer: MatrixScorer | None = None, tokenizer: str = "all-MiniLM-L6-v2", pool_path: str | None = None,
-                 train_path: str | None = None, test_path: str | None = None, n_pool: int = 64, n_train: int = 64,
+    def __init__(self, scorer: MatrixScorer | None = None, tokenizer: str = "all-MiniLM-L6-v2", pool_path: InputPath | None = None,
+                 train_path: InputPath | None = None, test_path: InputPath | None = None, n_pool: int = 64, n_train: int = 64,
                  n_test: int = 16, n_candidates: int = 8, max_length: int = 32, cache_dir: str | None = None,
                  data_seed: int | None = None, batch_size: int = 8, eval_batch_size: int = 16,
                  num_workers: int = 0) -> None:

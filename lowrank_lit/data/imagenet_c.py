@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.corruptions import STREAM_SETTINGS, index_plan
 
 __all__ = ["ImageNetCDataModule", "IMAGENET_C_CORRUPTIONS"]
@@ -71,7 +72,7 @@ class ImageNetCDataModule(pl.LightningDataModule):
         ValueError: on a bad argument or a missing ``<corruption>/<severity>`` folder (named in the message).
     """
 
-    def __init__(self, data_dir: str, corruptions: list[str] | None = None, severity: int = 5, recurrences: int = 1,
+    def __init__(self, data_dir: InputPath, corruptions: list[str] | None = None, severity: int = 5, recurrences: int = 1,
                  batch_size: int = 64, img_size: int = 224, resize: int = 256, max_batches: int | None = None,
                  num_workers: int = 8, stream_seed: int = 0, setting: str = "csc", dirichlet_alpha: float = 0.01,
                  dirichlet_slots: int | None = None) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.loader import ResumableDataLoader
 from lowrank_lit.data.text import read_text_bytes
 from lowrank_lit.seeding import run_seed
@@ -149,7 +150,7 @@ class PackedSFTDataModule(pl.LightningDataModule):
     vocab_size = 128
 
     def __init__(self, planner: Planner, mix: str = "long_tail", num_sequences: int = 512, val_sequences: int = 64,
-                 global_batch_size: int = 32, jsonl: str | None = None, max_length: int = 2048,
+                 global_batch_size: int = 32, jsonl: InputPath | None = None, max_length: int = 2048,
                  data_seed: int | None = None, tokenizer: str | None = None) -> None:
         super().__init__()
         if mix not in LENGTH_MIXES:

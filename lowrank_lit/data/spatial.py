@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.groups import GroupBatchSampler
 from lowrank_lit.data.loader import ResumableDataLoader
 from lowrank_lit.seeding import run_seed
@@ -299,8 +300,8 @@ class SpatialTranscriptomicsDataModule(_GroupedDataModule):
 
     def __init__(
         self,
-        features: list[str],
-        counts: list[str],
+        features: list[InputPath],
+        counts: list[InputPath],
         val_slides: list[int] | None = None,
         test_slides: list[int] | None = None,
         n_genes: int | None = 50,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.loader import ResumableDataLoader
 
 __all__ = ["CharTextDataModule", "read_text_bytes"]
@@ -87,7 +88,7 @@ class CharTextDataModule(pl.LightningDataModule):
     def __init__(
         self,
         files: list[str] | None = None,
-        root: str | None = None,
+        root: InputPath | None = None,
         pattern: str = "**/*.py",
         max_bytes: int = 2_000_000,
         vocab_size: int = 128,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lowrank_lit.argtypes import InputPath
 from lowrank_lit.data.tensor import TensorDataModule
 
 __all__ = ["TemplatedTextDataModule", "TextClassificationDataModule", "QADataModule", "collate_qa", "templated_examples",
@@ -302,7 +303,7 @@ class TextClassificationDataModule(TensorDataModule):
         num_workers: DataLoader workers. Default: 0.
     """
 
-    def __init__(self, train_path: str, val_path: str | None = None, test_path: str | None = None,
+    def __init__(self, train_path: InputPath, val_path: InputPath | None = None, test_path: InputPath | None = None,
                  tokenizer: str = "all-MiniLM-L6-v2", max_length: int = 64, text_field: str = "text",
                  label_field: str = "label", domain_field: str = "domain", batch_size: int = 32, num_workers: int = 0) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers)
@@ -376,8 +377,8 @@ class QADataModule(TensorDataModule):
         split_seed: seed of the noisy copies. Default: 0.
     """
 
-    def __init__(self, train_path: str, val_path: str | None = None, tokenizer: str = "meta-llama/Llama-3.2-1B-Instruct",
-                 max_length: int = 512, batch_size: int = 32, num_workers: int = 0, test_path: str | None = None,
+    def __init__(self, train_path: InputPath, val_path: InputPath | None = None, tokenizer: str = "meta-llama/Llama-3.2-1B-Instruct",
+                 max_length: int = 512, batch_size: int = 32, num_workers: int = 0, test_path: InputPath | None = None,
                  question_field: str = "question", context_field: str = "context", answer_field: str = "answer",
                  noisy_copy_rate: float | None = None, split_seed: int = 0) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers)

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 from urllib.parse import urlparse
 
+from lowrank_lit.argtypes import input_path_args
+
 __all__ = [
     "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "quiet_known_noise",
@@ -248,13 +250,21 @@ def check_input_files(cfg: Any) -> None:
             raise ConfigError(f"{key}={value!r} does not exist{hint}")
 
 
-#: data arguments that name files or folders you bring (checked before anything runs)
-_DATA_INPUT_RE = re.compile(
-    r"^data\.init_args\.(train_path|val_path|test_path|pool_path|jsonl|train_csv|val_csv|test_csvs|data_dir|root|"
-    r"features|counts)$"
-)
-#: learning-rate arguments (lr, lr_head, meta_lr, ...): a step size, > 0
-_LR_KEY_RE = re.compile(r"(^|\.)(lr|lr_[a-z]+|[a-z]+_lr)$")
+def _class_args(cfg: Any) -> list[tuple[str, type]]:
+    """``(prefix, class)`` of every class a config builds: ``("data.init_args", MyData)``,
+    ``("model.init_args.optimizer.init_args", torch.optim.AdamW)``; classes that cannot be imported are left out."""
+    found = []
+    for key, value in cfg.items():
+        if not (key == "class_path" or key.endswith(".class_path")) or not isinstance(value, str) or "." not in value:
+            continue
+        module, name = value.rsplit(".", 1)
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except Exception:  # noqa: BLE001 - the parser has already said what it could not import
+            continue
+        if isinstance(cls, type):
+            found.append((key[: -len("class_path")] + "init_args", cls))
+    return found
 
 
 def _leaves(value: Any, key: str) -> list[tuple[str, Any]]:
@@ -266,12 +276,20 @@ def _leaves(value: Any, key: str) -> list[tuple[str, Any]]:
     return [(key, value)]
 
 
+def _is_torch_optimizer(cls: type) -> bool:
+    import torch
+
+    return issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.")
+
+
 def check_values(cfg: Any, subcommand: str | None = None) -> None:
     """Values that would fail only after the run started, or fail with a message that names no argument: checked
-    by name before a run directory exists.
+    before a run directory exists.
 
-    * data files and folders you bring (``data.init_args.train_path``, ``features``, ``test_csvs``, ...) exist;
-    * learning rates (``lr``, ``lr_head``, ``meta_lr``, ...) are numbers > 0;
+    * files and folders you bring exist: every init argument typed :data:`~lowrank_lit.argtypes.InputPath`
+      (``data.init_args.train_path``, ``features``, ``test_csvs``, ...), found by its type in the class's signature
+      (our own learning rates are typed :data:`~lowrank_lit.argtypes.LearningRate` and refused while parsing);
+    * the ``lr`` of a torch optimizer (``torch.optim.AdamW``, which types it ``float | Tensor``) is > 0;
     * ``trainer.max_epochs`` / ``trainer.max_steps`` are -1 (no limit) or >= 0, and not 0 for ``fit`` (``subcommand``);
     * a config that asks for a GPU (``trainer.accelerator: gpu``/``cuda``) runs where one is visible.
 
@@ -287,16 +305,17 @@ def check_values(cfg: Any, subcommand: str | None = None) -> None:
             raise ConfigError(f"trainer.accelerator={accel!r}, but no GPU is visible here "
                               "(torch.cuda.is_available() is False); allowed here: cpu or auto "
                               "(--trainer.accelerator=cpu, or rehearse the config: pytest -m rehearsal)")
-    for key, value in cfg.items():
-        if value is None:
-            continue
-        if _DATA_INPUT_RE.match(key):
-            for k, v in _leaves(value, key):
+    for prefix, cls in _class_args(cfg):
+        for arg in input_path_args(cls):  # typed InputPath: a file or folder the user brings
+            key = f"{prefix}.{arg}"
+            for k, v in _leaves(cfg.get(key), key):
                 if isinstance(v, str) and "://" not in v and not Path(v).exists():
                     raise ConfigError(f"{k}={v!r}: no such file or folder (a file you bring: give its path, "
                                       f"--{k.split('[')[0]}=...)")
-        elif _LR_KEY_RE.search(key) and isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
-            raise ConfigError(f"{key}={value!r}; allowed: a number > 0 (a learning rate)")
+        if _is_torch_optimizer(cls):  # torch's own optimizers: their lr is not typed, and they refuse 0 only when built
+            value = cfg.get(f"{prefix}.lr")
+            if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+                raise ConfigError(f"{prefix}.lr={value!r}; allowed: a number > 0 (a learning rate)")
     if trainer is not None:
         for name in ("max_epochs", "max_steps"):
             value = trainer.get(name)
@@ -365,6 +384,7 @@ _LITERAL_RE = re.compile(r"Expected an? typing\.Literal\[(.*?)\]")
 _UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
 _NOT_ACCEPTED_RE = re.compile(r"does not accept option '([^']+)'")
 _RESTRICTED_RE = re.compile(r"Not of type (\w+): (.+)$")
+_NESTED_RE = re.compile(r"NestedArg\(key='[^']*', val='(.*)'\)")
 #: what jsonargparse's restricted types allow, in words
 _RESTRICTED = {"PositiveInt": "an integer > 0", "NonNegativeInt": "an integer >= 0", "PositiveFloat": "a number > 0",
                "NonNegativeFloat": "a number >= 0", "ClosedUnitInterval": "a number in [0, 1]",
@@ -450,9 +470,14 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
         return (f"--seed_everything{given}: allowed: an integer seed, true (a random seed, saved in the run's config) "
                 "or false (no seeding)")
     got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
+    if got is not None and (nested := _NESTED_RE.fullmatch(got)):  # a value given to a class's argument
+        got = nested.group(1)
     if key_parts and (m := next((r for ln in lines if (r := _RESTRICTED_RE.search(ln))), None)):  # PositiveInt, ...
-        allowed = _RESTRICTED.get(m.group(1), f"{m.group(1)} ({m.group(2)})")
-        return f"{'.init_args.'.join(key_parts)}={got!r}; allowed: {allowed}"
+        said = m.group(2)  # a type of ours (lowrank_lit.argtypes) says what it allows itself
+        allowed = said.removeprefix("allowed: ") if said.startswith("allowed: ") else _RESTRICTED.get(
+            m.group(1), f"{m.group(1)} ({said})")
+        given = f"={got!r}" if got is not None else ""
+        return f"{'.init_args.'.join(key_parts)}{given}; allowed: {allowed}"
     expected = [m for ln in lines if (m := _EXPECTED_RE.search(ln)) and m.group(1) != "NoneType"]
     if key_parts and expected:
         m = expected[0]

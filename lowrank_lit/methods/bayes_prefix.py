@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.coins import CoinSource, bayes_log_predictive, check_tokens
 from lowrank_lit.nn.lora import LoRALinear, inject_adapters
@@ -344,7 +345,7 @@ class MetaPretrainModule(_CoinModule):
         baseline_prefix_len: K of the exact best-hard-prefix baseline logged at test. Default: 6.
     """
 
-    def __init__(self, predictor: SequencePredictor, lr: float = 1e-3, regret_at: Sequence[int] = (50, 200),
+    def __init__(self, predictor: SequencePredictor, lr: LearningRate = 1e-3, regret_at: Sequence[int] = (50, 200),
                  prior_alpha: Sequence[float] = (1.0, 1.0), baseline_prefix_len: int = 6) -> None:
         super().__init__(regret_at, prior_alpha, baseline_prefix_len)
         if not lr > 0:
@@ -394,7 +395,7 @@ class PrefixTuningModule(_CoinModule):
     """
 
     def __init__(self, predictor: SequencePredictor, pretrained: str | None = None, method: str = "soft",
-                 prefix_len: int = 6, lr: float = 5e-3, untrained: bool = False, hard_cap: int = 100_000,
+                 prefix_len: int = 6, lr: LearningRate = 5e-3, untrained: bool = False, hard_cap: int = 100_000,
                  hard_batches: int = 10, regret_at: Sequence[int] = (50, 200), prior_alpha: Sequence[float] = (1.0, 1.0),
                  baseline_prefix_len: int = 6) -> None:
         super().__init__(regret_at, prior_alpha, baseline_prefix_len)
@@ -475,7 +476,7 @@ class WeightTuningModule(_CoinModule):
     """
 
     def __init__(self, predictor: SequencePredictor, pretrained: str | None = None, method: str = "full",
-                 lr: float = 5e-3, untrained: bool = False, lora_rank: int = 4, regret_at: Sequence[int] = (50, 200),
+                 lr: LearningRate = 5e-3, untrained: bool = False, lora_rank: int = 4, regret_at: Sequence[int] = (50, 200),
                  prior_alpha: Sequence[float] = (1.0, 1.0), baseline_prefix_len: int = 6) -> None:
         super().__init__(regret_at, prior_alpha, baseline_prefix_len)
         if method not in WEIGHT_METHODS:

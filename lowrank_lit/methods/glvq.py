@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.nn.targets import match_modules, replace_module
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
@@ -241,7 +242,7 @@ def quantize_group(
     method: str = "glvq",
     compand: bool = False,
     steps: int = 200,
-    lr: float = 1e-2,
+    lr: LearningRate = 1e-2,
     lam: float = 0.0,
     sigma_range: tuple[float, float] = (1e-4, 1e4),
     scale_grid: int = 64,

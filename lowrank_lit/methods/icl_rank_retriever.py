@@ -50,6 +50,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torchmetrics.functional import spearman_corrcoef
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.data.icl import ICL_LOSSES, ICLWorld, ScoreCache, normalised_option_loss
 from lowrank_lit.optim import linear_warmup
@@ -508,7 +509,7 @@ class ICLRetrieverModule(pl.LightningModule):
 
     def __init__(self, query_encoder: nn.Module, exemplar_encoder: nn.Module | None = None, loss: str = "sedpo",
                  beta: float = 1.0, pair_mode: str = "top_bottom", top_k: int = 20, n_pairs: int = 8,
-                 score_ratio: float = 1.0, n_hard: int = 8, hybrid_weight: float = 1.0, lr: float = 1e-3,
+                 score_ratio: float = 1.0, n_hard: int = 8, hybrid_weight: float = 1.0, lr: LearningRate = 1e-3,
                  adam_eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int = 0,
                  init_checkpoint: str | None = None, ref_query_encoder: nn.Module | None = None,
                  ref_exemplar_encoder: nn.Module | None = None) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.optim import SeededOptimizer, adam_moments_, bias_corrections
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
@@ -124,7 +125,7 @@ class LowRankAdam(SeededOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: LearningRate = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.0,

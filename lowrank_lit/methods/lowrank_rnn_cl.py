@@ -36,6 +36,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
@@ -532,7 +533,7 @@ class WhatHowModule(pl.LightningModule):
     """
 
     def __init__(self, how: ComposedLowRankRNN | None = None, what: EpochHMM | None = None, method: str = "what_how",
-                 vanilla: VanillaRNN | None = None, freeze_reused: bool = True, lr: float = 3e-3, what_trials: int = 30,
+                 vanilla: VanillaRNN | None = None, freeze_reused: bool = True, lr: LearningRate = 3e-3, what_trials: int = 30,
                  eval_trials: int = 256, hold_weight: float = 0.0) -> None:
         super().__init__()
         if method not in METHODS:

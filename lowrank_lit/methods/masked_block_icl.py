@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.data.stream import SeededBatches, stream_loader
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
@@ -237,7 +238,7 @@ class MaskedBlockICL(pl.LightningModule):
         lr: Adam learning rate. Default: 1e-3.
     """
 
-    def __init__(self, model: LinearAttentionTransformer, lr: float = 1e-3) -> None:
+    def __init__(self, model: LinearAttentionTransformer, lr: LearningRate = 1e-3) -> None:
         super().__init__()
         if not lr > 0:
             raise ValueError(f"MaskedBlockICL: lr={lr}; allowed: a float > 0")

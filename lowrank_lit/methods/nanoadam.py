@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.optim import SeededOptimizer, adam_moments_, bias_corrections
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import Run, class_label, markdown_table, new_figure, read_runs, save_figure
@@ -122,7 +123,7 @@ class NanoAdam(SeededOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: LearningRate = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,

@@ -47,6 +47,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.linalg import entropy_rank
 from lowrank_lit.nn.lowrank_linear import svd_factorize
 from lowrank_lit.nn.targets import match_modules, replace_module
@@ -349,7 +350,7 @@ class AdamQ3R(torch.optim.Adam):
         eps: Adam's epsilon. Default: 1e-8.
     """
 
-    def __init__(self, params: Any, q3r: Q3RRegularizer, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: Any, q3r: Q3RRegularizer, lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8) -> None:
         if lr < 0:
             raise ValueError(f"AdamQ3R: lr={lr}; allowed: >= 0")

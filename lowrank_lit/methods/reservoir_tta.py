@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import Run, class_label, markdown_table, read_runs
 from lowrank_lit.tta.base import TTAMethod, TTAWrapper, entropy
@@ -150,7 +151,7 @@ class ReservoirTTA(TTAWrapper):
         sampling: str = "reservoir",
         init: str = "mi",
         progressive_update: bool = False,
-        centroid_lr: float = 1e-4,
+        centroid_lr: LearningRate = 1e-4,
         n_source_styles: int = 1000,
         fmt: str = "logvar",
         seed: int = 0,

@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.callbacks.rng import gather_per_rank
 from lowrank_lit.data.loader import ResumableDataLoader
 from lowrank_lit.envs.continuous import ContinuousFamily
@@ -436,8 +437,8 @@ class SafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
         pg_alpha: step size of the ``pg_lagrange`` step on the logits. Default: 1.0.
     """
 
-    def __init__(self, env: SafeGridNav, eta: float = 0.1, kappa: float = 0.1, meta_lr: float = 0.1, adapt: str = "safe",
-                 meta_gradient: str = "hessian_free", adapt_steps: int = 5, dual_lr: float = 1.0, pg_lambda: float = 1.0,
+    def __init__(self, env: SafeGridNav, eta: float = 0.1, kappa: float = 0.1, meta_lr: LearningRate = 0.1, adapt: str = "safe",
+                 meta_gradient: str = "hessian_free", adapt_steps: int = 5, dual_lr: LearningRate = 1.0, pg_lambda: float = 1.0,
                  pg_alpha: float = 1.0) -> None:
         super().__init__()
         if adapt not in ADAPT:
@@ -675,9 +676,9 @@ class NeuralSafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
         hidden: policy width. Default: 64.
     """
 
-    def __init__(self, env: ContinuousFamily, eta: float = 1.0, kappa: float = 0.5, meta_lr: float = 3e-3, adapt: str = "safe",
-                 adapt_steps: int = 3, n_envs: int = 32, dual_lr: float = 0.1, pg_lambda: float = 1.0, pg_alpha: float = 0.05,
-                 proj_steps: int = 50, proj_lr: float = 1e-3, gae_lambda: float = 0.95, hidden: int = 64) -> None:
+    def __init__(self, env: ContinuousFamily, eta: float = 1.0, kappa: float = 0.5, meta_lr: LearningRate = 3e-3, adapt: str = "safe",
+                 adapt_steps: int = 3, n_envs: int = 32, dual_lr: LearningRate = 0.1, pg_lambda: float = 1.0, pg_alpha: float = 0.05,
+                 proj_steps: int = 50, proj_lr: LearningRate = 1e-3, gae_lambda: float = 0.95, hidden: int = 64) -> None:
         super().__init__()
         if adapt not in ADAPT:
             raise ValueError(f"NeuralSafeMetaRLModule: adapt={adapt!r}; allowed: {', '.join(ADAPT)}")

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.models.vmamba import PERMUTATIONS, SS2D, check_permutation, set_traversal
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import Run, markdown_table, new_figure, read_runs, save_figure
@@ -260,7 +261,7 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
             without SS2D modules.
     """
 
-    def __init__(self, k: int = 6, lr: float = 1e-4, steps: int = 1, mode: str = "sequential", merge: str = "mean",
+    def __init__(self, k: int = 6, lr: LearningRate = 1e-4, steps: int = 1, mode: str = "sequential", merge: str = "mean",
                  traversals: str | list[list[int]] = "ranked", eval_traversal: list[int] | tuple[int, ...] = IDENTITY,
                  betas: tuple[float, float] = (0.9, 0.999)) -> None:
         super().__init__(lr, betas)
@@ -363,7 +364,7 @@ class TrustNaive(_PseudoLabelMixin, TTAMethod):
         betas: Adam's coefficients. Default: (0.9, 0.999).
     """
 
-    def __init__(self, lr: float = 1e-4, steps: int = 1, traversal: list[int] | tuple[int, ...] = IDENTITY,
+    def __init__(self, lr: LearningRate = 1e-4, steps: int = 1, traversal: list[int] | tuple[int, ...] = IDENTITY,
                  eval_traversal: list[int] | tuple[int, ...] = IDENTITY, betas: tuple[float, float] = (0.9, 0.999)) -> None:
         super().__init__(lr, betas)
         _check_lr_steps("TrustNaive", lr, steps)

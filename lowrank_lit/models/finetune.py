@@ -22,6 +22,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.optim import matrix_param_groups
 
 __all__ = ["SplitClassFinetune"]
@@ -55,7 +56,7 @@ class SplitClassFinetune(pl.LightningModule):
         num_source: int = 5,
         num_target: int = 5,
         pretrain_epochs: int = 40,
-        pretrain_lr: float = 1e-3,
+        pretrain_lr: LearningRate = 1e-3,
     ) -> None:
         super().__init__()
         hidden = [256, 256, 128] if hidden is None else list(hidden)

@@ -29,6 +29,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.hub import MINILM, from_pretrained, load_tokenizer, quiet_transformers, resolve_model_path
 from lowrank_lit.metrics import purity
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
@@ -486,8 +487,8 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         num_layers: int | None = 2,
         prompt: PromptModule | None = None,
         num_classes: int = 2,
-        lr_prompt: float = 3e-3,
-        lr_head: float = 1e-3,
+        lr_prompt: LearningRate = 3e-3,
+        lr_head: LearningRate = 1e-3,
         weight_decay: float = 0.0,
         allow_random_init: bool = False,
         strict_frozen: bool = True,
@@ -496,10 +497,10 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         domain_names: list[str] | None = None,
         adapter: Callable[[nn.Linear], nn.Module] | None = None,
         adapter_targets: list[str] | None = None,
-        lr_adapter: float = 1e-3,
+        lr_adapter: LearningRate = 1e-3,
         peft: dict[str, Any] | None = None,
         train_backbone: bool = False,
-        lr_backbone: float = 1e-4,
+        lr_backbone: LearningRate = 1e-4,
         optimizer: OptimizerCallable | None = None,
     ) -> None:
         super().__init__()
@@ -726,10 +727,10 @@ class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
     train_on_noisy_copies: bool = False
 
     def __init__(self, backbone: str = "meta-llama/Llama-3.2-1B-Instruct", backbone_config: dict[str, Any] | None = None,
-                 num_layers: int | None = None, prompt: PromptModule | None = None, lr: float = 2e-5,
+                 num_layers: int | None = None, prompt: PromptModule | None = None, lr: LearningRate = 2e-5,
                  warmup_steps: int = 500, strict_frozen: bool = True, tokenizer: str | None = None,
                  adapter: Callable[[nn.Linear], nn.Module] | None = None, adapter_targets: list[str] | None = None,
-                 lr_adapter: float = 2e-4) -> None:
+                 lr_adapter: LearningRate = 2e-4) -> None:
         super().__init__()
         for arg, value in (("lr", lr), ("lr_adapter", lr_adapter)):
             if not value > 0:

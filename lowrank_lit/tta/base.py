@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
+
 __all__ = ["TTAMethod", "TTAWrapper", "SourceData", "SourceOnly", "Tent", "EATA", "CoTTA", "norm_affine_params", "entropy"]
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -91,7 +93,7 @@ class TTAMethod:
         """Adapted copies this method holds (1 for a single-model method)."""
         return 1
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999)) -> None:
+    def __init__(self, lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999)) -> None:
         if lr < 0:
             raise ValueError(f"{type(self).__name__}: lr={lr!r}; allowed: >= 0")
         self.lr, self.betas = lr, tuple(betas)
@@ -294,7 +296,7 @@ class Tent(TTAMethod):
 
     NORMS = ("all", "batchnorm")
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), norms: str = "all") -> None:
+    def __init__(self, lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), norms: str = "all") -> None:
         super().__init__(lr, betas)
         if norms not in self.NORMS:
             raise ValueError(f"Tent: norms={norms!r}; allowed: {', '.join(self.NORMS)}")
@@ -324,7 +326,7 @@ class EATA(TTAMethod):
         fisher_batches: clean source batches for the Fisher estimate. Default: 8.
     """
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e_margin: float = 0.4,
+    def __init__(self, lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e_margin: float = 0.4,
                  d_margin: float = 0.4, fisher_alpha: float = 2000.0, fisher_batches: int = 8) -> None:
         super().__init__(lr, betas)
         if e_margin <= 0 or d_margin <= 0 or fisher_alpha < 0 or fisher_batches < 0:
@@ -401,7 +403,7 @@ class CoTTA(TTAMethod):
         seed: seed of the augmentations and the restore masks. Default: 0.
     """
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), mt_alpha: float = 0.999,
+    def __init__(self, lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), mt_alpha: float = 0.999,
                  rst: float = 0.01, ap: float = 0.92, n_aug: int = 4, seed: int = 0) -> None:
         super().__init__(lr, betas)
         if not (0 <= mt_alpha <= 1 and 0 <= rst <= 1 and n_aug >= 1):

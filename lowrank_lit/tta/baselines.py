@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.tta.base import _NORMS, TTAMethod, entropy
 
 __all__ = ["SAR", "RoTTA", "RobustBatchNorm", "LAME", "laplacian_adjust", "knn_affinity", "rbf_affinity",
@@ -72,7 +73,7 @@ class SAR(TTAMethod):
         ema_decay: weight of the old value in the loss EMA. Default: 0.9.
     """
 
-    def __init__(self, lr: float = 0.00025, momentum: float = 0.9, e_margin: float = 0.4, rho: float = 0.05,
+    def __init__(self, lr: LearningRate = 0.00025, momentum: float = 0.9, e_margin: float = 0.4, rho: float = 0.05,
                  reset_constant: float = 0.2, ema_decay: float = 0.9) -> None:
         super().__init__(lr)
         if not (0 <= momentum < 1 and e_margin > 0 and rho > 0 and reset_constant >= 0 and 0 <= ema_decay < 1):
@@ -218,7 +219,7 @@ class RoTTA(TTAMethod):
 
     batch_stats = False  # robust BN replaces the batch statistics
 
-    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), memory_size: int = 64,
+    def __init__(self, lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), memory_size: int = 64,
                  update_frequency: int = 64, nu: float = 0.001, alpha: float = 0.05, lambda_t: float = 1.0,
                  lambda_u: float = 1.0, seed: int = 0) -> None:
         super().__init__(lr, betas)
