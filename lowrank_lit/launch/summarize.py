@@ -61,13 +61,25 @@ def studies() -> dict[str, str]:
 EXTRA_STUDIES: dict[str, str] = {}
 
 
+#: summaries resolved in this process: ``(slug, the extra studies) -> Summary`` (the verb's parser asks for the
+#: options of the summary it then runs, and each answer reads the registry)
+_RESOLVED: dict[tuple[str, tuple[tuple[str, str], ...]], Summary] = {}
+
+
 def get_summary(slug: str) -> Summary:
     """The summary the registration of ``slug`` names (or the study ``slug`` of :func:`studies`), with its help (the
-    docstring's first line).
+    docstring's first line). Resolved once per process.
 
     Raises:
         KeyError: no method or study ``slug``, or the method names no summary (both name the ones that do).
     """
+    key = (slug, tuple(sorted(EXTRA_STUDIES.items())))
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _resolve_summary(slug)
+    return _RESOLVED[key]
+
+
+def _resolve_summary(slug: str) -> Summary:
     import importlib
 
     from lowrank_lit import registry
