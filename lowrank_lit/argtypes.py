@@ -69,7 +69,7 @@ def _marked(hint: Any) -> bool:
 def input_path_args(cls: type) -> list[str]:
     """The init arguments of ``cls`` annotated as :data:`InputPath` (alone, optional, or in a list or dict)."""
     try:
-        hints = typing.get_type_hints(cls.__init__, include_extras=True)
+        hints = typing.get_type_hints(cls.__init__, include_extras=True)  # type: ignore[misc]
     except Exception:  # noqa: BLE001 - a class whose annotations do not resolve has none of ours
         return []
     return [name for name, hint in hints.items() if name != "return" and _marked(hint)]

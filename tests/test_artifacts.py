@@ -112,6 +112,7 @@ def _trained_model(run):
     return model.eval()
 
 
+@pytest.mark.e2e
 def test_lora_native_artifact_is_small_and_loads_onto_a_fresh_base(lora_run, capsys):
     from lowrank_lit.launch.export import load_run_artifact
 
@@ -133,6 +134,7 @@ def test_lora_native_artifact_is_small_and_loads_onto_a_fresh_base(lora_run, cap
     assert "an export never overwrites files" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_lora_peft_export_loads_in_peft_with_our_outputs(lora_run):
     import peft
 
@@ -160,6 +162,7 @@ def _docs_block(marker: str) -> str:
     return text.split(f"<!-- test: {marker} -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.e2e
 def test_peft_export_names_its_exact_base_portably_and_the_documented_load_reproduces_ours(lora_run, capsys):
     """The export names the base as a hub id plus the fields the run changed (MiniLM truncated to 2 layers), holds no
     path of this machine, and the load on docs/artifacts.md gives our outputs; a 6-layer base is refused by name."""
@@ -206,6 +209,7 @@ def test_peft_export_names_its_exact_base_portably_and_the_documented_load_repro
     assert all(torch.equal(v, wrong.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.e2e
 def test_merged_hf_export_loads_with_automodel(lora_run):
     from transformers import AutoModel
 
@@ -233,6 +237,7 @@ def test_merged_hf_export_loads_with_automodel(lora_run):
     assert json.loads((out / "artifact.json").read_text())["backbone"]["config"] == {"num_hidden_layers": 2}
 
 
+@pytest.mark.e2e
 def test_routed_experts_are_refused_in_peft_format_and_leave_nothing(tmp_path, capsys):
     root = tmp_path
     assert run_cli("fit", "--config", "configs/lope/hydralora.yaml", "--trainer.max_steps=1", "--test_after_fit=false",
@@ -246,6 +251,7 @@ def test_routed_experts_are_refused_in_peft_format_and_leave_nothing(tmp_path, c
 
 
 # --------------------------------------------------------------------------------------- NanoAdam sparse delta
+@pytest.mark.e2e
 def test_nanoadam_sparse_delta_reproduces_the_fine_tuned_weights_exactly(tmp_path, capsys):
     from lowrank_lit.checkpoint import load_checkpoint
 
@@ -274,6 +280,7 @@ def test_nanoadam_sparse_delta_reproduces_the_fine_tuned_weights_exactly(tmp_pat
 
 
 # ----------------------------------------------------------------------------------------- Q3R's two factors
+@pytest.mark.e2e
 def test_q3r_factors_export_is_the_truncated_model(tmp_path, capsys):
     import copy
 
@@ -314,6 +321,7 @@ def _same_state(a, b) -> bool:
     return sa == sb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", ["reservoir_tta/csc_digits.yaml", "trust/digits_c_trust.yaml"])
 def test_a_tta_stream_state_resumes_the_stream_exactly(config, tmp_path):
     """The run writes stream_state/; a new run that loads it and sees the next batch ends in the same state as the
@@ -349,6 +357,7 @@ def test_a_tta_stream_state_resumes_the_stream_exactly(config, tmp_path):
                                                                                         verbose=False)
 
 
+@pytest.mark.e2e
 def test_soft_prompt_peft_export_loads_as_peft_prompt_tuning(tmp_path, capsys):
     import peft
 
@@ -380,6 +389,7 @@ def test_soft_prompt_peft_export_loads_as_peft_prompt_tuning(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------ adapters-only checkpoints
+@pytest.mark.e2e
 def test_trained_only_checkpoints_leave_the_frozen_weights_out_and_check_them_on_loading(tmp_path):
     import lightning.pytorch as pl
     from torch import nn

@@ -152,6 +152,7 @@ CASES = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("argv", "needle"), CASES)
 def test_bad_input_is_one_line_and_touches_nothing(argv, needle, tmp_path):
     _folder(tmp_path)

@@ -45,6 +45,7 @@ def test_context_sizes_and_rounds():
     assert BenchContext(quick=True).rounds(10) == 3 and BenchContext(repeats=7, quick=True).rounds(10) == 7
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("argv,message", [
     (["nosuch"], "SLUG: 'nosuch' has no benchmark"),
     (["--device", "tpu"], "--device: 'tpu' is not one of cpu, cuda"),
@@ -58,6 +59,7 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_cuda_on_a_machine_without_one_is_refused(capsys):
     from lowrank_lit import cli
@@ -89,6 +91,7 @@ def test_config_bench_times_two_configs(monkeypatch):
     assert row.memory.startswith("held ") and row.memory.count("MiB") == 2  # weights + optimizer state, both sides
 
 
+@pytest.mark.e2e
 def test_quick_bench_of_every_method(tmp_path):
     """`lowrank bench --quick --out FILE`: every registered method has a row and the page is written (no timing
     asserted: the ratios of a quick run are indicative only)."""

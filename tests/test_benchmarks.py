@@ -21,6 +21,7 @@ def test_every_benchmark_records_its_output(script):
     assert not re.search(r"[\"']docs/", text), f"{script.name} writes to a docs/ path (only --write-docs may)"
 
 
+@pytest.mark.e2e
 def test_a_benchmark_run_lands_in_its_folder(tmp_path):
     env = {**os.environ, "LOWRANK_RUN_ROOT": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eagle_iterations.py"), "--n", "3"], cwd=tmp_path,

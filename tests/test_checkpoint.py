@@ -72,6 +72,7 @@ def test_truncated_checkpoint_is_one_line_naming_the_previous_good_one(tmp_path,
     assert checkpoint_step(good) == 7 and checkpoint_step(bad) == -1
 
 
+@pytest.mark.e2e
 def test_resuming_a_truncated_last_ckpt_is_one_line_and_touches_nothing(run_root, capsys):
     assert run_cli("fit", "--config", MLP_CONFIG, *SMALL, run_root=run_root) == 0
     run = next((run_root / "baseline" / "mlp_digits").iterdir())
@@ -84,6 +85,7 @@ def test_resuming_a_truncated_last_ckpt_is_one_line_and_touches_nothing(run_root
     assert {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.e2e
 def test_refused_reentry_touches_nothing(run_root, capsys):
     """Re-entering a run with checkpoints but without --ckpt_path is refused; its metrics.csv stays where it is."""
     assert run_cli("fit", "--config", MLP_CONFIG, *SMALL, run_root=run_root) == 0
@@ -95,6 +97,7 @@ def test_refused_reentry_touches_nothing(run_root, capsys):
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
 
 
+@pytest.mark.e2e
 def test_last_ckpt_is_written_beside_itself_and_renamed(run_root, monkeypatch):
     """The temporary file lives in the checkpoint's own folder (a rename there is atomic), never in $TMPDIR,
     and a failed save leaves the previous last.ckpt intact."""

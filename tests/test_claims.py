@@ -30,6 +30,7 @@ def _files(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.e2e
 def test_two_runs_started_together_on_one_run_id_one_runs_alone_the_other_is_refused(tmp_path):
     """Ten times: two `lowrank fit --run_id X` processes started at once (three epochs, so the first is still live when
     the second starts on a loaded machine); one runs and its files are byte-identical to
@@ -54,6 +55,7 @@ def test_two_runs_started_together_on_one_run_id_one_runs_alone_the_other_is_ref
         assert _files(cwd / "runs" / "baseline" / "mlp_digits" / "X") == want, f"pair {i}"
 
 
+@pytest.mark.e2e
 def test_a_killed_runs_claim_never_blocks_its_resume(tmp_path):
     """kill -9 leaves the claim file behind; the resume command takes it over (the pid is dead on this host)."""
     proc = _start(tmp_path, "--trainer.max_epochs=30")
@@ -71,6 +73,7 @@ def test_a_killed_runs_claim_never_blocks_its_resume(tmp_path):
     assert not (run / CLAIM_FILE).exists()
 
 
+@pytest.mark.e2e
 def test_claim_rules(tmp_path, monkeypatch):
     """A live claim is refused naming host and pid; a dead pid's claim is taken over; another host's claim is live
     unless it is an earlier attempt of this SLURM job; DDP workers and other nodes do not claim."""
@@ -102,6 +105,7 @@ def test_claim_rules(tmp_path, monkeypatch):
     assert resolve_run_dir(tmp_path, "exp", "r", claim=True).path == run  # no refusal: workers share the claim
 
 
+@pytest.mark.e2e
 def test_a_finished_fixed_id_run_started_again_is_reused_and_says_so(tmp_path, capsys):
     """A page's "Try it" block run twice: its prerequisite (a run id fixed in its config file) finished with the same
     config is reused, not refused and not trained again; another length, or the id given on the command line, is

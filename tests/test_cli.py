@@ -24,6 +24,7 @@ def _run(args, env=None, timeout=300):
 
 
 # ----------------------------------------------------------------------------------------- list / help
+@pytest.mark.e2e
 def test_list_shows_every_registered_method():
     from lowrank_lit import registry
 
@@ -39,6 +40,7 @@ def test_list_shows_every_registered_method():
             assert cfg in row
 
 
+@pytest.mark.e2e
 def test_list_shows_baseline_configs():
     out = _run(["list"]).stdout
     assert "configs/baseline/mlp_digits.yaml" in out
@@ -48,6 +50,7 @@ HEAVY = ("torch", "lightning", "timm", "transformers", "diffusers", "lowrank_lit
 
 
 # the commands a user types to look around answer without torch, Lightning or any method module
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("argv", "heavy"),
     [
@@ -73,6 +76,7 @@ def test_light_commands_do_not_import_heavy_libraries(argv, heavy):
     assert out.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.e2e
 def test_unknown_command_is_one_line_error(capsys):
     from lowrank_lit.cli import main
 
@@ -82,6 +86,7 @@ def test_unknown_command_is_one_line_error(capsys):
 
 
 # ----------------------------------------------------------------------------------------- print_config
+@pytest.mark.e2e
 def test_print_config_round_trips(tmp_path, run_root, capsys):
     from lowrank_lit.cli import main
 
@@ -99,6 +104,7 @@ def test_print_config_round_trips(tmp_path, run_root, capsys):
     assert saved["seed_everything"] == 0
 
 
+@pytest.mark.e2e
 def test_seed_is_drawn_and_written_back(run_root):
     assert run_cli("fit", "--config", MLP_CONFIG, "--seed_everything=true", *SHORT, run_root=run_root) == 0
     (run,) = run_dirs(run_root)
@@ -114,6 +120,7 @@ def _snapshot(folder):
     }
 
 
+@pytest.mark.e2e
 def test_two_runs_get_separate_directories(run_root):
     assert run_cli("fit", "--config", MLP_CONFIG, *SHORT, run_root=run_root) == 0
     (first,) = run_dirs(run_root)
@@ -126,6 +133,7 @@ def test_two_runs_get_separate_directories(run_root):
     assert _snapshot(first) == before
 
 
+@pytest.mark.e2e
 def test_failed_run_leaves_previous_runs_alone(run_root):
     assert run_cli("fit", "--config", MLP_CONFIG, *SHORT, run_root=run_root) == 0
     (first,) = run_dirs(run_root)
@@ -135,6 +143,7 @@ def test_failed_run_leaves_previous_runs_alone(run_root):
     assert [p for p in first.parent.iterdir()] == [first]  # the failed run left no empty directory
 
 
+@pytest.mark.e2e
 def test_config_is_logged_once_nested(tmp_path, run_root):
     record_dir = tmp_path / "record"
     preset = tmp_path / "recording.yaml"
@@ -149,6 +158,7 @@ def test_config_is_logged_once_nested(tmp_path, run_root):
     assert "lr" not in config and "num_classes" not in config  # no flat duplicates at the root
 
 
+@pytest.mark.e2e
 def test_wandb_offline_without_network_or_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(
@@ -172,6 +182,7 @@ def test_wandb_offline_without_network_or_key(tmp_path):
 
 # ----------------------------------------------------------------------------------------- bad input
 # (the one-line refusals of bad inputs: tests/test_bad_inputs.py)
+@pytest.mark.e2e
 def test_unknown_key_in_config_file(tmp_path, run_root, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  init_args:\n    bogus_key: 3\n")
@@ -179,6 +190,7 @@ def test_unknown_key_in_config_file(tmp_path, run_root, capsys):
     assert "unknown key 'model.init_args.bogus_key'" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_console_script_error_exit_code():
     proc = _run(["fit", "--config", MLP_CONFIG, "--trainer.max_epochs=abc"])
     assert proc.returncode == 2
@@ -188,6 +200,7 @@ def test_console_script_error_exit_code():
 
 
 # ----------------------------------------------------------------------------------------- errors that help
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
@@ -208,6 +221,7 @@ def test_errors_name_the_closest_valid_key(extra, expected, run_root, capsys):
     assert not run_root.exists() or not any(run_root.rglob("config.yaml"))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("config", "first"),
     [
@@ -223,6 +237,7 @@ def test_config_needing_an_earlier_run_names_it(config, first, run_root, capsys,
     assert not run_root.exists()  # no orphan run directory
 
 
+@pytest.mark.e2e
 def test_known_harmless_messages_are_silenced(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     proc = _run(["fit", "--config", MLP_CONFIG, "--config", PRESETS / "wandb.yaml", *SHORT, "--run_root", tmp_path], env=env)
@@ -236,6 +251,7 @@ def test_known_harmless_messages_are_silenced(tmp_path):
     assert list((run / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.e2e
 def test_log_lines_when_stdout_is_not_a_terminal(tmp_path):
     """In a log file the Rich bar prints nothing until the end: plain lines per epoch instead."""
     proc = _run(["fit", "--config", MLP_CONFIG, "--trainer.max_epochs=2", "--run_root", tmp_path])
@@ -248,6 +264,7 @@ def test_log_lines_when_stdout_is_not_a_terminal(tmp_path):
     assert "it/s" not in proc.stdout  # no Rich bar (its lines end in a rate)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "argv",
     [["list"], ["list", "--markdown"], ["--help"], ["sweep", "sweeps/q3r.yaml", "--check"]],
@@ -270,6 +287,7 @@ def _evaluation_configs() -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in CONFIGS.rglob("*.yaml") if config_subcommand(p) in ("test", "predict"))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", _evaluation_configs())
 def test_fit_on_an_evaluation_config_names_the_right_command(config, tmp_path, capsys, monkeypatch):
     """``lowrank fit`` on a test-only config (TRUST, Shallow Diffuse, the pinv bounds, ...): one line naming the
@@ -285,6 +303,7 @@ def test_fit_on_an_evaluation_config_names_the_right_command(config, tmp_path, c
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.e2e
 def test_list_of_one_method_gives_command_needs_and_first(capsys):
     from lowrank_lit.cli import main
 
@@ -300,6 +319,7 @@ def test_list_of_one_method_gives_command_needs_and_first(capsys):
     assert main(["list", "nosuch"]) == 2 and "slug='nosuch'" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_log_lines_of_an_evaluation_when_stdout_is_not_a_terminal(tmp_path):
     """``lowrank test`` into a log file: a start line with the batch count, periodic batch lines, a result line."""
     proc = _run(["fit", "--config", MLP_CONFIG, "--trainer.max_epochs=1", "--run_root", tmp_path, "--run_id=a",
@@ -319,6 +339,7 @@ def test_log_lines_of_an_evaluation_when_stdout_is_not_a_terminal(tmp_path):
     assert lines[-1].startswith("test: test/acc ") and f"({total} batches in " in lines[-1]
 
 
+@pytest.mark.e2e
 def test_callback_flag_reaches_the_last_callback_given_before_it(tmp_path):
     """``--trainer.callbacks.init_args.*`` sets the last callback listed at that point of the command line: before a
     preset that appends a callback it reaches the experiment's (Q3R's ``lam``); after it, the preset's, and a key that
@@ -346,6 +367,7 @@ def test_time_left_is_paced_from_the_first_batch_on():
     assert time_left(5.0, 0.0, start, None) is None and time_left(130.0, 1.0, start, first) is None
 
 
+@pytest.mark.e2e
 def test_fit_ending_mid_epoch_is_validated_on_its_final_weights(tmp_path):
     """``max_steps`` ends fit inside epoch 2 (20 batches per epoch): the last val/* values are from step 30, not the
     stale ones of the epoch-1 validation; a fit ending at an epoch end is not validated twice."""
@@ -361,6 +383,7 @@ def test_fit_ending_mid_epoch_is_validated_on_its_final_weights(tmp_path):
     assert len(val_steps["end"]) == 2, val_steps  # one per epoch, none extra
 
 
+@pytest.mark.e2e
 def test_bare_fit_gives_a_hint(capsys):
     from lowrank_lit.cli import main
 
@@ -369,6 +392,7 @@ def test_bare_fit_gives_a_hint(capsys):
     assert err.startswith("lowrank fit: error: no --config given; run e.g. lowrank fit --config ") and "lowrank list" in err
 
 
+@pytest.mark.e2e
 def test_fit_help_is_built_once_then_cached(tmp_path):
     """The first `lowrank fit --help` imports Lightning and every method; the next reads the cache and imports
     neither (the same text)."""
@@ -383,6 +407,7 @@ def test_fit_help_is_built_once_then_cached(tmp_path):
     assert second.stderr.strip().splitlines()[-1] == "[]" and second.stdout == first.stdout
 
 
+@pytest.mark.e2e
 def test_config_file_key_typo_names_the_closest_key(tmp_path):
     typo = tmp_path / "typo.yaml"
     typo.write_text("trainer:\n  max_epoch: 3\n")
@@ -391,6 +416,7 @@ def test_config_file_key_typo_names_the_closest_key(tmp_path):
     assert "unknown key 'trainer.max_epoch' in a config file; did you mean trainer.max_epochs?" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_class_help_lists_subclasses_from_every_method():
     """`--model.help PromptTunedClassifier` lists CaPT's CapsulePrompt and PT-MoE's prompt among the prompt's subclasses
     (their modules are imported for help)."""
@@ -414,6 +440,7 @@ def test_one_command_table_drives_the_dispatch_the_help_and_the_docs():
         assert callable(getattr(importlib.import_module(module), function)), name
 
 
+@pytest.mark.e2e
 def test_a_verb_imports_only_its_own_module():
     """``lowrank list`` loads no other verb's module (``launch.sweep``, ``launch.export``, ...)."""
     from lowrank_lit.cli import COMMANDS

@@ -58,6 +58,7 @@ def test_merge_requantize_folds_the_adapter_and_quantizes_again():
         merge_requantize(q, X, 2)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", ["glvq_lora_merge.yaml", "rtn_lora_merge.yaml"])
 def test_compress_adapt_merge_configs_run(config, tmp_path):
     """Both configs end to end on a briefly trained full-precision model: every stage logged, codes frozen."""
@@ -122,6 +123,7 @@ MERGE_VERDICTS = {
 }
 
 
+@pytest.mark.e2e
 def test_reservoir_around_trust_runs_and_opens_a_copy_per_corruption(tmp_path):
     """configs/compose/reservoir_trust.yaml on random source weights: the reservoir wraps TRUST, routes, and saves its
     stream state (TRUST's traversal order inside each copy's state)."""

@@ -89,6 +89,7 @@ def test_swapping_the_roles_keeps_the_words_and_flips_the_label(family):
     assert flipped >= 100
 
 
+@pytest.mark.e2e
 def test_a_bag_of_words_classifier_stays_near_chance_on_every_family():
     """Not lexical: logistic regression on word counts, fitted on train, per family on the held-out test split."""
     from sklearn.feature_extraction.text import CountVectorizer

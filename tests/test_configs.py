@@ -18,12 +18,14 @@ def test_fragment_lists_cover_every_fragment():
     assert found == set(CPU_FRAGMENTS + GPU_FRAGMENTS)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", CONFIG_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_config_fast_dev_run(config, run_root):
     sub = config_subcommand(config)  # `lowrank test` for analysis configs, `fit` for training ones
     assert run_cli(sub, "--config", config, "--trainer.fast_dev_run=true", run_root=run_root) == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("config", PARSE_ONLY_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_parse_only_config_parses(config, capsys):
     """Configs for real data / GPUs: the real CLI parses them (every key and type checked)."""
@@ -62,6 +64,7 @@ def test_every_config_that_cannot_run_as_it_is_names_the_test_that_runs_it(confi
         assert named, f"{rel}: {m.group(1)} does not mention {stem}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fragment", CPU_FRAGMENTS)
 def test_cpu_fragment_composes(fragment, run_root):
     rc = run_cli("fit", "--config", MLP_CONFIG, "--config", CONFIGS / fragment, "--trainer.fast_dev_run=true",
@@ -69,6 +72,7 @@ def test_cpu_fragment_composes(fragment, run_root):
     assert rc == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fragment", GPU_FRAGMENTS)
 def test_gpu_fragment_parses(fragment, capsys):
     from lowrank_lit.cli import main
@@ -79,6 +83,7 @@ def test_gpu_fragment_parses(fragment, capsys):
     assert "accelerator: gpu" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("preset", PRESET_FILES, ids=lambda p: p.name)
 def test_callback_preset_composes(preset, run_root):
     rc = run_cli("fit", "--config", MLP_CONFIG, "--config", preset, "--trainer.fast_dev_run=true", run_root=run_root)
@@ -132,6 +137,7 @@ def test_every_experiment_config_declares_how_it_is_run():
             assert "tests/rehearsal/" in str(run.get("tested_by")), f"{rel}: needs your files but names no rehearsal"
 
 
+@pytest.mark.e2e
 def test_a_run_block_with_a_wrong_verb_is_refused_in_one_line(tmp_path, capsys):
     from tests.helpers import MLP_CONFIG, run_cli
 

@@ -86,6 +86,7 @@ def test_method_tests_live_in_one_place(method):
     assert not strays, f"{slug}: tests outside {home.relative_to(ROOT)}: {strays}"
 
 
+@pytest.mark.e2e
 def test_summarize_cli_errors_name_the_choices(capsys):
     from lowrank_lit.cli import main
 

@@ -34,6 +34,7 @@ def _dry_run(*args):
     return proc.stdout
 
 
+@pytest.mark.e2e
 def test_submit_dry_run_matches_counts():
     script = _dry_run("--config", "configs/baseline/vit_tiny_digits.yaml", "--config", "configs/base/trainer_gpu.yaml",
                       "--nodes", "2", "--gpus-per-node", "4", "--time", "02:00:00", "--partition", "gpu", "--account", "lab")
@@ -50,6 +51,7 @@ def test_submit_dry_run_matches_counts():
     assert script.index("export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK") < script.index("\nsrun ")
 
 
+@pytest.mark.e2e
 def test_submit_cpu_config_asks_for_no_gpu(tmp_path):
     script = _dry_run("--config", "configs/baseline/vit_tiny_digits.yaml", "--run-root", str(tmp_path))
     assert "--gres" not in script and "--trainer.accelerator=cpu" in script
@@ -65,6 +67,7 @@ def test_submit_cpu_config_asks_for_no_gpu(tmp_path):
     assert "runs on the CPU (trainer.accelerator: cpu), so the job asks for no GPU and runs 4 CPU processes" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_submitted_script_runs_and_its_log_lands(tmp_path):
     """The script `lowrank submit` writes, run by a stand-in `sbatch` (SLURM's --output file, opened before the
     script starts, and SLURM_JOB_ID) and `srun` (runs its command): the log folder exists at submit time, the run
@@ -96,6 +99,7 @@ def test_submitted_script_runs_and_its_log_lands(tmp_path):
     assert (runs / "baseline" / "mlp_digits" / "4242" / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.e2e
 def test_submit_sweep_array():
     script = _dry_run("--sweep", "sweeps/baseline_mlp_digits.yaml", "--array", "4", "--trials-per-task", "2")
     assert "#SBATCH --array=0-3" in script and "#SBATCH --ntasks-per-node=1" in script
@@ -104,6 +108,7 @@ def test_submit_sweep_array():
     assert '--seed "$SLURM_ARRAY_TASK_ID"' in launch and "--n-trials 2" in launch
 
 
+@pytest.mark.e2e
 def test_submit_without_sbatch_suggests_dry_run():
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
     proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "submit", "--config", str(MLP_CONFIG)], cwd=ROOT,
@@ -111,6 +116,7 @@ def test_submit_without_sbatch_suggests_dry_run():
     assert proc.returncode == 2 and "sbatch" in proc.stderr and "--dry-run" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_submit_bad_time():
     proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "submit", "--config", str(MLP_CONFIG), "--time",
                            "two hours", "--dry-run"], cwd=ROOT, capture_output=True, text=True)
@@ -139,6 +145,7 @@ def test_trainer_selects_slurm_environment(run_root, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- resume
+@pytest.mark.e2e
 def test_resume_is_bit_identical(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     assert run_cli("fit", "--config", MLP_CONFIG, "--trainer.max_epochs=3", *SMALL, run_root=full) == 0
@@ -154,6 +161,7 @@ def test_resume_is_bit_identical(tmp_path):
         assert torch.equal(reference[k], resumed[k]), k
 
 
+@pytest.mark.e2e
 def test_reentering_a_run_without_ckpt_path_is_refused(run_root, capsys):
     assert run_cli("fit", "--config", MLP_CONFIG, "--trainer.max_epochs=1", *SMALL, run_root=run_root) == 0
     run = _only_run(run_root / "baseline" / "mlp_digits")
@@ -164,6 +172,7 @@ def test_reentering_a_run_without_ckpt_path_is_refused(run_root, capsys):
 
 
 # ----------------------------------------------------------------------------------------- DDP
+@pytest.mark.e2e
 @pytest.mark.parametrize("devices", [2])
 def test_ddp_step_equals_single_process_step(tmp_path, devices):
     # Lightning always shuffles a training DistributedSampler (seed 0 here); running the single process
@@ -257,6 +266,7 @@ def ddp_reference(tmp_path_factory):
     return ckpt
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("target", ["rank0", "rank1", "group"])
 def test_ddp_stop_saves_once_and_resumes_bit_identical(tmp_path, target, ddp_reference):
     """A SIGTERM to either rank or to the whole group stops both ranks after the same batch within seconds,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import CONFIGS
@@ -75,6 +76,7 @@ def test_estimate_pt_moe_llama_1b_from_its_config_json(tmp_path):
     assert e.activations is not None and e.activations > e.weights  # 32 x 512 tokens through 16 layers
 
 
+@pytest.mark.e2e
 def test_estimate_command_line(capsys, tmp_path):
     from lowrank_lit.cli import main
 
@@ -84,6 +86,7 @@ def test_estimate_command_line(capsys, tmp_path):
     assert "total per GPU" in out and "fits in 1 GiB" in out
 
 
+@pytest.mark.e2e
 def test_estimate_names_a_config_that_cannot_be_built_on_meta(capsys, tmp_path):
     """An evaluation config whose model reads values while being built (Shallow Diffuse draws its key) says so."""
     from lowrank_lit.cli import main

@@ -50,6 +50,7 @@ def test_a_bad_grid_file_is_named(tmp_path, bad, match):
         load_grid(path)
 
 
+@pytest.mark.e2e
 def test_matrix_runs_skips_finished_cells_names_incompatible_pairs_and_reproduces_a_cell(tmp_path, monkeypatch, capsys):
     from lowrank_lit.cli import main
 
@@ -91,6 +92,7 @@ def test_matrix_runs_skips_finished_cells_names_incompatible_pairs_and_reproduce
     assert last_values(rerun)["val/loss"] == last_values(first)["val/loss"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("path", sorted((ROOT / "grids").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_grid_file_builds_every_cell(path, tmp_path, monkeypatch):
     """A shipped grid has its base config, and every cell builds (model, data, callbacks, optimizer)."""
@@ -103,6 +105,7 @@ def test_every_grid_file_builds_every_cell(path, tmp_path, monkeypatch):
     assert check_cells(grid, grid.config, tmp_path, files) == {}
 
 
+@pytest.mark.e2e
 def test_check_builds_the_cells_and_names_the_slurm_array_command(tmp_path, monkeypatch, capsys):
     from lowrank_lit.cli import main
 
@@ -123,6 +126,7 @@ def test_check_builds_the_cells_and_names_the_slurm_array_command(tmp_path, monk
     assert "#SBATCH --array=0-1" in script and "--run-root m" in script and "--storage m/matrix.journal" in script
 
 
+@pytest.mark.e2e
 def test_seeds_selects_a_subset_and_refuses_others(tmp_path, monkeypatch, capsys):
     from lowrank_lit.cli import main
 

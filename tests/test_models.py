@@ -41,6 +41,7 @@ def test_vit_bad_geometry():
         vit_factory(global_pool="max")
 
 
+@pytest.mark.e2e
 def test_classifier_learns_a_separable_task():
     """A few steps of the real module on a linearly separable problem reach high accuracy."""
     import lightning.pytorch as pl

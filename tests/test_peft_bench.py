@@ -151,6 +151,7 @@ def test_probe_copy_rides_on_test_batches_only_at_its_own_rate():
         CompositionalTextDataModule(probe_rate=0.1)
 
 
+@pytest.mark.e2e
 def test_step_cost_logs_a_median_step_time_and_peak_memory(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
@@ -208,6 +209,7 @@ def test_the_benchmark_sweep_covers_every_config_and_every_table_row():
         assert "callbacks+" not in cfg["trainer"]  # layered on head.yaml: `+` would append its callbacks twice
 
 
+@pytest.mark.e2e
 def test_limited_benchmark_sweep_and_summary_end_to_end(tmp_path):
     """Three rows (head-only, PT-MoE, LoPE on noisy data) x 1 seed through `lowrank sweep` and `lowrank summarize`."""
     spec = yaml.safe_load((ROOT / "sweeps/peft_bench.yaml").read_text())

@@ -169,6 +169,7 @@ PINNED: dict[str, tuple[Callable[[Path], list[float]], list[float], list[float]]
 }
 
 
+@pytest.mark.e2e
 def test_every_method_has_pinned_values():
     from lowrank_lit import registry
 
@@ -184,6 +185,7 @@ def tolerances(spread: list[float]) -> list[float]:
     return [max(RTOL_FLOOR, SPREAD_FACTOR * s) for s in spread]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("slug", sorted(PINNED))
 def test_first_logged_values_are_pinned(slug, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -194,6 +196,7 @@ def test_first_logged_values_are_pinned(slug, tmp_path, monkeypatch):
         assert g == pytest.approx(e, rel=rtol), f"{slug}[{i}]: {got} vs {expected} (rtol {rtol:.1e})"
 
 
+@pytest.mark.e2e
 def test_tolerances_stay_tight():
     """A tolerance wide enough to hide a real change is a pin that pins nothing."""
     for slug, (_, _, spread) in PINNED.items():

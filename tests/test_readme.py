@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from tests.helpers import ROOT
 
 README = (ROOT / "README.md").read_text()
@@ -42,6 +44,7 @@ def test_quickstart_has_two_single_line_commands():
     assert "pytest" in test
 
 
+@pytest.mark.e2e
 def test_ci_runs_the_readme_test_command():
     script = ROOT / ".ci" / "run"
     awk = re.search(r"cmd=\$\((awk .*?README\.md)\)", script.read_text())

@@ -43,6 +43,7 @@ def _names_summary(roots, out=None):
     return "\n".join(r.path.name for r in read_runs(roots))
 
 
+@pytest.mark.e2e
 def test_summarize_leaves_debug_runs_out_and_lists_them(tmp_path, monkeypatch, capsys):
     from lowrank_lit import cli
     from lowrank_lit.launch import summarize
@@ -67,6 +68,7 @@ def test_summarize_leaves_debug_runs_out_and_lists_them(tmp_path, monkeypatch, c
     assert "except 2 debug run(s)" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_debug_run_config_is_marked(tmp_path):
     from tests.helpers import MLP_CONFIG, run_cli
 
@@ -176,6 +178,7 @@ def _truncation(acc):
     return "keep_fraction,kept_params,acc\n" + "".join(f"{k},{int(1000 * k)},{acc}\n" for k in (1.0, 0.5))
 
 
+@pytest.mark.e2e
 def test_summarize_never_reads_another_methods_runs_and_says_so(tmp_path, capsys):
     from lowrank_lit import cli
 
@@ -189,6 +192,7 @@ def test_summarize_never_reads_another_methods_runs_and_says_so(tmp_path, capsys
                        "another method (q3r)")
 
 
+@pytest.mark.e2e
 def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, capsys):
     from lowrank_lit import cli
 
@@ -205,6 +209,7 @@ def test_summarize_q3r_gives_one_column_per_experiment_never_pooled(tmp_path, ca
                       "mlp_digits_adamw (n=2) |")  # in the order of the run folders
 
 
+@pytest.mark.e2e
 def test_summarize_keeps_the_latest_of_repeated_evaluations_of_one_checkpoint(tmp_path, monkeypatch, capsys):
     import os
 
@@ -223,6 +228,7 @@ def test_summarize_keeps_the_latest_of_repeated_evaluations_of_one_checkpoint(tm
     assert "left out 2 run(s): 2 x an earlier evaluation of runs/glvq/mlp_digits_fp/fp/checkpoints/last.ckpt" in err
 
 
+@pytest.mark.e2e
 def test_summarize_with_no_run_of_the_method_says_so_and_exits_1(tmp_path, capsys):
     from lowrank_lit import cli
 

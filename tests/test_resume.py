@@ -82,6 +82,7 @@ def reference(tmp_path_factory):
     return _state(_only_run(root)), re.search(r"test/acc (\S+)", out).group(1)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1], ids=lambda s: signal.Signals(s).name)
 def test_interrupted_run_resumes_to_the_uninterrupted_result(sig, tmp_path, reference):
     ref_state, ref_acc = reference
@@ -122,6 +123,7 @@ def _slurm_env(tmp_path: Path) -> dict[str, str]:
             "SLURM_NODELIST": "localhost"}
 
 
+@pytest.mark.e2e
 def test_slurm_requeue_resumes_the_newest_checkpoint_and_tests_the_final_weights(tmp_path, reference):
     """SIGUSR1 (SLURM's warning before the time limit) stops at a batch boundary, writes last.ckpt and requeues;
     the requeued command resumes from the newest checkpoint of the run, not an older hpc_ckpt_*, and the test
@@ -155,6 +157,7 @@ def test_slurm_requeue_resumes_the_newest_checkpoint_and_tests_the_final_weights
     assert sorted(p.name for p in run.glob("metrics*.csv")) == ["metrics.1.csv", "metrics.2.csv", "metrics.csv"]
 
 
+@pytest.mark.e2e
 def test_checkpoint_preset_keeps_last_at_every_epoch(tmp_path):
     """With callbacks/checkpoint.yaml (best by val/loss), last.ckpt still follows every epoch."""
     args = ["fit", "--config", str(MLP_CONFIG), "--config", str(ROOT / "callbacks" / "checkpoint.yaml"), *EPOCHS]
@@ -166,6 +169,7 @@ def test_checkpoint_preset_keeps_last_at_every_epoch(tmp_path):
     assert len(list((run / "checkpoints").glob("best-*.ckpt"))) == 1
 
 
+@pytest.mark.e2e
 def test_ckpt_path_last_without_checkpoint_is_an_error(run_root, capsys):
     """`--ckpt_path last` never silently trains from scratch, and leaves no orphan directory."""
     assert run_cli("fit", "--config", MLP_CONFIG, "--ckpt_path", "last", run_root=run_root) == 2
@@ -237,6 +241,7 @@ class _Recording(ResumeCheckpoint):
         return None
 
 
+@pytest.mark.e2e
 def test_every_n_train_steps_and_epoch_ends(tmp_path):
     from lightning.pytorch.demos.boring_classes import BoringModel
 

@@ -85,6 +85,7 @@ def test_every_training_method_has_a_resume_config():
     assert covered == slugs
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(TRAINING_CONFIGS))
 def test_interrupted_mid_epoch_resumes_bit_identical(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -19,6 +19,7 @@ def test_effective_and_stable_rank_pinned():
     assert stable_rank(torch.tensor([2.0, 1.0])) == pytest.approx(1.25)
 
 
+@pytest.mark.e2e
 def test_spectral_diagnostics_logs_every_n_steps_and_sees_a_rank_one_weight():
     import lightning.pytorch as pl
     from torch import nn

@@ -84,6 +84,7 @@ def test_bad_sweep_files(tmp_path, params, method, needle):
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
+@pytest.mark.e2e
 def test_cli_reports_bad_sweep_in_one_line(tmp_path):
     path = _sweep(tmp_path, "model.init_args.bogus:\n  values: [1]\n")
     proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "sweep", str(path), "--check", "--parse"], cwd=ROOT,
@@ -93,6 +94,7 @@ def test_cli_reports_bad_sweep_in_one_line(tmp_path):
     assert len(lines) == 1 and "model.init_args.bogus" in lines[0]
 
 
+@pytest.mark.e2e
 def test_offline_sweep_records_trials_and_survives_a_crash(tmp_path):
     # trial with hidden=[0] crashes (MLP rejects it); the other two complete
     path = _sweep(tmp_path, "model.init_args.backbone.init_args.hidden:\n  values: [[16], [0], [32]]\n")
@@ -105,6 +107,7 @@ def test_offline_sweep_records_trials_and_survives_a_crash(tmp_path):
     assert study.best_value == min(r.value for r in results if r.value is not None)
 
 
+@pytest.mark.e2e
 def test_sweep_cli_prints_table_and_writes_best_config(tmp_path):
     path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  distribution: log_uniform_values\n"
                             "  min: 1.0e-3\n  max: 1.0e-1\n", method="random")
@@ -122,6 +125,7 @@ def test_sweep_cli_prints_table_and_writes_best_config(tmp_path):
     assert len(list(runs.rglob("offline-run-*"))) == 3
 
 
+@pytest.mark.e2e
 def test_two_workers_split_a_grid(tmp_path):
     path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  values: [0.001, 0.002, 0.003, 0.004]\n")
     storage = tmp_path / "study.journal"
@@ -142,6 +146,7 @@ def test_two_workers_split_a_grid(tmp_path):
     assert len(ran) == 4  # and no worker ran a point twice
 
 
+@pytest.mark.e2e
 def test_worker_threads_split_a_grid_in_one_process(tmp_path, monkeypatch, capsys):
     """`run_sweep(workers=2)` (what `lowrank matrix --jobs 2` calls): two trials at once from one process, each grid
     point once, and the trials' run directories where the sweep fixed them."""
@@ -248,6 +253,7 @@ def _no_trial_process_left(runs):
             assert str(runs) not in cmdline or "sweep" in cmdline, f"orphaned trial {pid}: {cmdline}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_stopped_grid_sweep_continues_to_a_complete_grid(tmp_path, sig):
     """Ctrl+C / SIGTERM in trial 2 of a 4-point grid (no --storage): one line, the trial stopped and recorded as
@@ -287,6 +293,7 @@ def test_stopped_grid_sweep_continues_to_a_complete_grid(tmp_path, sig):
     assert rc == 0 and not [ln for ln in out.splitlines() if ln.startswith("trial ")]
 
 
+@pytest.mark.e2e
 def test_stopped_random_sweep_counts_finished_trials_and_draws_new_points(tmp_path):
     """run_cap counts finished trials: a stop in trial 1 and a restart end with exactly run_cap finished trials,
     the interrupted one rerun with its parameters, and no point of the first start drawn again."""
@@ -312,6 +319,7 @@ def test_stopped_random_sweep_counts_finished_trials_and_draws_new_points(tmp_pa
     assert sum(t.params == first[0].params for t in study.trials) == 1  # the finished one never again
 
 
+@pytest.mark.e2e
 def test_orphaned_running_trial_is_rerun(tmp_path):
     """A trial left RUNNING by a killed worker on this host (kill -9) is recorded as interrupted and run again."""
     import optuna
@@ -337,6 +345,7 @@ def test_orphaned_running_trial_is_rerun(tmp_path):
     assert all(r.state == "COMPLETE" for r in results)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "flags",
     [["--trainer.max_epochs=5"], ["--trainer.max_epochs", "5"], ["--trainer=configs/x.yaml"]],
@@ -365,6 +374,7 @@ def test_command_line_flag_on_an_unswept_key_is_passed_on(tmp_path):
 GOOD_FIRST = next(s for s in range(100) if __import__("numpy").random.default_rng(s).integers(2) == 0)
 
 
+@pytest.mark.e2e
 def test_early_terminate_prunes_a_bad_trial_before_its_last_epoch(tmp_path):
     """`early_terminate: {type: hyperband}` offline: every trial reports val/loss after each validation round; a trial
     far behind a finished one (lr 1e-6 vs 1e-2) is stopped by optuna's HyperbandPruner after round 1 of 3, recorded as

@@ -446,6 +446,7 @@ def bn_source(tmp_path_factory):
     return fitted_checkpoint("tta/source_bn_cnn_digits.yaml", tmp_path_factory.mktemp("tta_bn_source"), "--trainer.max_epochs=2")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["digits_tent", "digits_sar", "digits_rotta", "digits_lame"])
 @pytest.mark.parametrize("setting", ["correlated", "mixed"])
 def test_table_config_runs_on_the_harder_streams(name, setting, bn_source, run_root):
@@ -461,6 +462,7 @@ def test_table_config_runs_on_the_harder_streams(name, setting, bn_source, run_r
         assert logged["test/domains_per_batch"] >= 4
 
 
+@pytest.mark.e2e
 def test_reservoir_plugs_into_any_method_from_a_fragment(bn_source, run_root):
     from lowrank_lit.report import last_values
     from tests.helpers import CONFIGS, run_cli
@@ -482,6 +484,7 @@ def ln_vmamba_source(tmp_path_factory):
                              "--trainer.max_epochs=1")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("setting", ["correlated", "mixed"])
 def test_trust_row_config_runs_on_the_harder_streams(setting, ln_vmamba_source, run_root):
     """configs/tta/digits_trust.yaml (TRUST's rows of the table, grids/tta_vmamba.yaml) on a short stream."""
@@ -498,6 +501,7 @@ def test_trust_row_config_runs_on_the_harder_streams(setting, ln_vmamba_source, 
         assert logged["test/domains_per_batch"] >= 4
 
 
+@pytest.mark.e2e
 def test_the_trust_rows_grid_builds_every_cell(ln_vmamba_source, tmp_path, monkeypatch, capsys):
     """`lowrank matrix --grid grids/tta_vmamba.yaml --check`: every method fragment fits the VMamba base config."""
     from lowrank_lit.cli import main
@@ -563,6 +567,7 @@ def test_must_show_batch_statistics_fail_under_label_correlation_and_source_igno
         expect_verdict("holds", csc, src, margin=-0.02, claim=f"source error on {stream} < CSC + 0.02")
 
 
+@pytest.mark.e2e
 def test_the_table_grid_runs_a_limited_smoke(bn_source, tmp_path, monkeypatch, capsys):
     """`lowrank matrix --grid grids/tta.yaml --limit 2` with a short stream: two cells run and land in the table."""
     from lowrank_lit.cli import main

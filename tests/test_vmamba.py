@@ -244,6 +244,7 @@ def test_converted_tiny_official_weights_give_the_official_logits():
     torch.testing.assert_close(ours(x), want, rtol=F32_NET, atol=F32_NET)
 
 
+@pytest.mark.e2e
 def test_convert_command_writes_a_source_checkpoint(tmp_path):
     from lowrank_lit.cli import main
 

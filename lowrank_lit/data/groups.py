@@ -96,7 +96,7 @@ class GroupBatchSampler(BatchSampler):
             raise ValueError("GroupBatchSampler: groups is required (the group id of every sample)")
         groups = torch.as_tensor(groups)
         # a DistributedSampler's length is one rank's share; the dataset size is what groups must match
-        n = len(sampler.dataset) if isinstance(sampler, DistributedSampler) else len(sampler)  # type: ignore[arg-type]
+        n = len(sampler.dataset) if isinstance(sampler, DistributedSampler) else len(sampler)
         if len(groups) != n:
             raise ValueError(f"GroupBatchSampler: len(groups)={len(groups)} != dataset size {n}")
         super().__init__(sampler, batch_size, drop_last)

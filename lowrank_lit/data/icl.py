@@ -455,7 +455,7 @@ class TextICLDataModule(TensorDataModule):
             row = [known.get((str(queries[i]["id"]), str(pool[int(j)]["id"]))) for j in cand_index[i]]
             if all(r is not None for r in row):
                 for k in out:
-                    out[k][i] = torch.tensor([r[k] for r in row])  # type: ignore[index]
+                    out[k][i] = torch.tensor([r[k] for r in row])
             else:
                 todo_rows.append(i)
         if todo_rows:

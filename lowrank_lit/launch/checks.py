@@ -438,12 +438,13 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
         return f"unknown key {name.lstrip('-')!r}" + (f"; did you mean {match}?" if match else "; `--help` lists the keys")
     if lines[0].startswith('Parser key "config"') and len(lines) > 1:
         return f"--config: {lines[1]}"
-    literal = next((i for i, ln in enumerate(lines) if _LITERAL_RE.search(ln)), None)
+    literal = next(((i, lit) for i, ln in enumerate(lines) if (lit := _LITERAL_RE.search(ln))), None)
     if literal is not None:  # a typed choice (in any branch of a union): the library checked it, we name the choices
-        parts = [m.group(1) for ln in lines[:literal] if (m := _KEY_RE.search(ln))]
-        choices = ", ".join(c.strip().strip("'\"") for c in _LITERAL_RE.search(lines[literal]).group(1).split(","))
-        got = _GOT_RE.search(lines[literal])
-        return f"{'.init_args.'.join(parts)}{f'={got.group(1)!r}' if got else ''}; allowed: {choices}"
+        at, lit = literal
+        parts = [m.group(1) for ln in lines[:at] if (m := _KEY_RE.search(ln))]
+        choices = ", ".join(c.strip().strip("'\"") for c in lit.group(1).split(","))
+        value = _GOT_RE.search(lines[at])
+        return f"{'.init_args.'.join(parts)}{f'={value.group(1)!r}' if value else ''}; allowed: {choices}"
     key_parts: list[str] = []
     cls = None
     for i, ln in enumerate(lines):
@@ -466,8 +467,8 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
             return f"unknown key {key!r}{owner}{hint}"
     if key_parts == ["seed_everything"] or (not key_parts and "seed_everything" in lines[0]):
         got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
-        given = f"={got!r}" if got is not None else ""
-        return (f"--seed_everything{given}: allowed: an integer seed, true (a random seed, saved in the run's config) "
+        seed = f"={got!r}" if got is not None else ""
+        return (f"--seed_everything{seed}: allowed: an integer seed, true (a random seed, saved in the run's config) "
                 "or false (no seeding)")
     got = next((g.group(1) for ln in lines if (g := _GOT_RE.search(ln))), None)
     if got is not None and (nested := _NESTED_RE.fullmatch(got)):  # a value given to a class's argument

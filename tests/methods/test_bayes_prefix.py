@@ -134,6 +134,7 @@ def _snapshot(module):
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method", ["soft", "real", "simplex", "hard"])
 def test_prefix_tuning_changes_only_the_prefix(method):
     m = _pred()
@@ -148,6 +149,7 @@ def test_prefix_tuning_changes_only_the_prefix(method):
         assert torch.allclose(tuner.prefix_inputs().sum(-1), torch.ones(3))
 
 
+@pytest.mark.e2e
 def test_hard_search_returns_the_argmin_of_the_evaluated_losses():
     m = _pred()
     tuner = PrefixTuningModule(m, method="hard", prefix_len=3, untrained=True, hard_batches=3)
@@ -161,6 +163,7 @@ def test_hard_search_returns_the_argmin_of_the_evaluated_losses():
     assert torch.equal(tuner.hard_choice, tuner.candidates[int(losses.argmin())])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method,prefixes", [("full", ("embedding.", "torso.", "unembedding.")),
                                              ("embedding", ("embedding.",)), ("unembedding", ("unembedding.",)),
                                              ("emb_unemb", ("embedding.", "unembedding.")), ("lora", ("torso.",))])
@@ -181,6 +184,7 @@ def test_weight_tuning_changes_only_its_subset(method, prefixes):
         assert any(k.startswith(p) for k in changed for p in prefixes)
 
 
+@pytest.mark.e2e
 def test_pretrained_checkpoint_is_loaded(tmp_path):
     m = _pred()
     pre = MetaPretrainModule(m)
@@ -195,6 +199,7 @@ def test_pretrained_checkpoint_is_loaded(tmp_path):
         PrefixTuningModule(_pred(), pretrained=str(tmp_path / "none_{torso}.ckpt"))
 
 
+@pytest.mark.e2e
 def test_meta_training_gives_small_regret_against_dirichlet_bayes():
     torch.manual_seed(0)
     dm = CoinFlipDataModule("dirichlet", length=50, batch_size=64, batches_per_epoch=150, eval_length=50,
@@ -207,6 +212,7 @@ def test_meta_training_gives_small_regret_against_dirichlet_bayes():
     assert after < 1.0 and after < before / 5, (before, after)
 
 
+@pytest.mark.e2e
 def test_regret_callback_writes_csv_and_png(tmp_path):
     tuner = PrefixTuningModule(_pred(), method="soft", prefix_len=2, untrained=True)
     trainer = writing_trainer(tmp_path, callbacks=[RegretCurveCallback()])
@@ -257,6 +263,7 @@ def test_bad_inputs_raise_named_errors():
         PrefixTuningModule(_pred(), method="prompt", untrained=True)
 
 
+@pytest.mark.e2e
 def test_configs_tune_a_pretrained_checkpoint(tmp_path):
     """The pretrain config's checkpoint drives a tuning config through the CLI (placeholders filled in)."""
     pre = ["--trainer.max_steps=2", "--test_after_fit=false", "--trainer.enable_progress_bar=false", "--run_id", "seed0"]

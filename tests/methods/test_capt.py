@@ -293,6 +293,7 @@ def test_must_show_capt_anchor_share(bench):
                    claim="CaPT's anchor share > PT's largest slot share")
 
 
+@pytest.mark.e2e
 def test_cli_smoke_with_one_layer(tmp_path, capsys):
     from lowrank_lit.report import last_values
 

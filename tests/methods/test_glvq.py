@@ -285,6 +285,7 @@ def fp_ckpt(tmp_path_factory):
     return fitted_checkpoint("glvq/mlp_digits_fp.yaml", tmp_path_factory.mktemp("glvq_fp"), "--trainer.max_epochs=2")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("variant", ["2bit", "3bit", "2bit_sdba", "2bit_scalar", "2bit_rtn"])
 def test_quantization_config_runs(variant, fp_ckpt, run_root):
     import csv
@@ -382,6 +383,7 @@ def test_must_show_glvq_2bit_accuracy_at_least_rtn(digits_mlp_runs):
     assert v.outcome == "tie" and v.low <= 0.0 <= v.high, (str(v), {k: r[1] for k, r in res.items()})
 
 
+@pytest.mark.e2e
 def test_char_lm_config_runs(tmp_path):
     import csv
 

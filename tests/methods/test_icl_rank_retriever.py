@@ -104,6 +104,7 @@ def test_beta_limits():
 
 
 # ----------------------------------------------------------------------------- 5. frozen reference
+@pytest.mark.e2e
 def test_reference_gets_no_grad_and_stays_bit_identical():
     m = _module(loss="hybrid")
     ref_before = copy.deepcopy(m.ref_query.state_dict()) | {f"e.{k}": v.clone() for k, v in m.ref_exemplar.state_dict().items()}
@@ -277,6 +278,7 @@ def test_bad_inputs_raise_named_errors():
 
 
 # ----------------------------------------------------------------------------- module, data, retrieval
+@pytest.mark.e2e
 def test_training_improves_pool_ranking_over_init():
     dm = _small_dm(n_pool=200, n_train=96, n_test=40, n_candidates=16)
     m = _module(loss="sedpo", pair_mode="random", n_pairs=8, lr=3e-3)
@@ -287,6 +289,7 @@ def test_training_improves_pool_ranking_over_init():
     assert after["test/top1_acc_oracle"] >= after["test/top1_acc"]
 
 
+@pytest.mark.e2e
 def test_eval_metrics_match_direct_computation():
     from torchmetrics.functional import spearman_corrcoef
 
@@ -339,6 +342,7 @@ def test_beam_retrieve_picks_distinct_top_exemplars():
         beam_retrieve(m, query, pool, shots=0)
 
 
+@pytest.mark.e2e
 def test_infonce_and_hybrid_train(run_root):
     for loss in ("infonce", "hybrid"):
         m = _module(loss=loss, n_hard=3)
@@ -346,6 +350,7 @@ def test_infonce_and_hybrid_train(run_root):
         assert math.isfinite(float(quiet_trainer().test(m, datamodule=_small_dm(), verbose=False)[0]["test/spearman"]))
 
 
+@pytest.mark.e2e
 def test_init_from_checkpoint_loads_towers_and_reference(tmp_path):
     m = _module(loss="infonce")
     trainer = quiet_trainer(max_steps=3, limit_val_batches=0, enable_checkpointing=False)
@@ -399,6 +404,7 @@ def test_text_records_are_well_formed():
     assert all(r["text"] == r["input"] + r["options"][r["gold"]] for r in recs)
 
 
+@pytest.mark.e2e
 def test_text_retriever_trains_with_minilm_towers(tmp_path):
     from lowrank_lit.models.text import SentenceEncoder
 
@@ -414,6 +420,7 @@ def test_text_retriever_trains_with_minilm_towers(tmp_path):
     assert -1.0 <= res["test/spearman"] <= 1.0
 
 
+@pytest.mark.e2e
 def test_predict_scores_into_rank_shards_and_resumes(tmp_path):
     cache = tmp_path / "cache"
     cfg = CONFIGS / "icl_rank_retriever/text_minilm_score.yaml"

@@ -51,6 +51,7 @@ def test_adapted_model_equals_base_at_init_and_count_per_layer():
 
 
 # ------------------------------------------------------------------------------------ 3. stage I
+@pytest.mark.e2e
 def test_stage_one_trains_only_A_and_B_D():
     # the head and every B start at zero: the head moves at step 0, B_D at step 1, A from step 2 on
     model = _model()
@@ -80,6 +81,7 @@ class _SnapshotAt(__import__("lightning").pytorch.Callback):
             self.snap = {n: p.detach().clone() for n, p in pl_module.named_parameters() if "lora_" in n}
 
 
+@pytest.mark.e2e
 def test_stage_two_freezes_B_D_but_uses_it():
     model = _model()
     cb, snap = LoPEStageCallback(stage1_steps=3), _SnapshotAt(3)
@@ -101,6 +103,7 @@ def test_stage_two_freezes_B_D_but_uses_it():
     assert not torch.allclose(model(ids, mask)[0], out)  # B_D takes part in the stage-II forward
 
 
+@pytest.mark.e2e
 def test_resume_across_the_stage_switch_is_exact(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -312,6 +315,7 @@ def test_stage_one_on_a_causal_lm_trains_A_and_B_D_on_clean_plus_noisy_copies(tm
     assert {id(p) for p in model.adapter_parameters()} <= held  # every adapter parameter from the start
 
 
+@pytest.mark.e2e
 def test_the_mechanism_is_logged_per_run(tmp_path):
     """B_D's accuracy alone at the end of stage I, its routing share on stage-II batches, and the test accuracy with
     B_D masked, unmasked and alone, in one short run (2 + 2 steps); without the mask, test/acc is the unmasked one."""
@@ -384,6 +388,7 @@ def test_stage_one_forms_refuse_bad_values(kwargs, message):
         LoPEStageCallback(**kwargs)
 
 
+@pytest.mark.e2e
 def test_logging_the_mechanism_leaves_the_training_run_unchanged(monkeypatch):
     """The stage-II share and the B_D-alone accuracy are measurements: a run that takes them (every step) ends with
     the same weights, bit for bit, as one that takes none (no draw from the training RNG: iterating the test loader

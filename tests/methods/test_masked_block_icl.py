@@ -161,6 +161,7 @@ def test_generator_reproducible_and_rank_s():
 
 
 # ----------------------------------------------------------------------------- module, extraction, bad inputs
+@pytest.mark.e2e
 def test_training_reduces_mse_and_extraction_runs():
     torch.manual_seed(0)
     dm = MaskedBlockDataModule(batch_size=64, batches_per_epoch=300, eval_batches=2, data_seed=0)
@@ -222,6 +223,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_distributed_eagle_over_gloo_matches_machines_2():
     import torch.multiprocessing as mp
 
@@ -234,6 +236,7 @@ def test_distributed_eagle_over_gloo_matches_machines_2():
     assert torch.allclose(d0, ref["D"], atol=F64)
 
 
+@pytest.mark.e2e
 def test_config_runs_and_writes_the_extraction(tmp_path):
     args = ["--trainer.max_steps=5", "--data.init_args.batch_size=16", "--data.init_args.eval_batches=1",
             "--trainer.enable_progress_bar=false", "--trainer.val_check_interval=5"]

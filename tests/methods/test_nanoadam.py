@@ -288,6 +288,7 @@ def test_must_show_split_digits():
     assert ordered >= 8, report
 
 
+@pytest.mark.e2e
 def test_grad_weight_correlation_callback_logs_every_n_steps(run_root):
     import csv
 

@@ -155,6 +155,7 @@ def test_tail_rule_and_matrices():
     assert float(torch.linalg.eigvalsh(build_matrix("digits_rbf"))[0]) > 0.1  # + 0.1 I
 
 
+@pytest.mark.e2e
 def test_study_on_user_matrix(tmp_path):
     import numpy as np
 

@@ -75,6 +75,7 @@ def test_backbone_frozen_and_gets_no_grad(bert, batch):
     assert prompt.prompt_B.grad is not None
 
 
+@pytest.mark.e2e
 def test_frozen_backbone_weights_bit_identical_after_training(tmp_path):
     model = PromptTunedClassifier(num_layers=1, prompt=_moe(init_text=TASK), measure_attention=False)
     before = {k: v.clone() for k, v in model.encoder.backbone.state_dict().items()}
@@ -230,6 +231,7 @@ def test_lm_labels_ignored_at_prompt_positions_and_loss_only_on_targets():
     torch.testing.assert_close(out.loss, manual, atol=F32_LAYERS, rtol=F32_LAYERS)
 
 
+@pytest.mark.e2e
 def test_prompt_tuned_lm_trains_only_the_prompt(tmp_path):
     from tests.helpers import quiet_trainer
 
@@ -404,6 +406,7 @@ def test_user_text_files_and_qa_encoding(tmp_path):
     assert bool(inst[0].sum() > 0) and int(mask[0].sum()) == int(inst[0].sum() + answer.sum())
 
 
+@pytest.mark.e2e
 def test_cli_smoke_with_one_layer(tmp_path):
     from lowrank_lit.report import last_values
 

@@ -176,6 +176,7 @@ def test_lam_zero_equals_adam_and_callback_equals_adamq3r():
     assert not torch.equal(paper[0], adam[0])  # the penalty did act
 
 
+@pytest.mark.e2e
 def test_callback_matches_adamq3r_in_lightning(tmp_path):
 
     from lowrank_lit.data import TensorDataModule
@@ -325,6 +326,7 @@ def test_compare_averages_seeds(tmp_path):
     assert "a (n=2)" in table and (tmp_path / "cmp.png").stat().st_size > 0
 
 
+@pytest.mark.e2e
 def test_callback_state_survives_checkpoint_resume(tmp_path):
 
     from lowrank_lit.data import TensorDataModule

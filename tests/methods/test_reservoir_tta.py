@@ -303,6 +303,7 @@ def source_ckpt(tmp_path_factory):
     return fitted_checkpoint("reservoir_tta/source_cnn_digits.yaml", tmp_path_factory.mktemp("tta_source"), "--trainer.max_epochs=1")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["csc_digits.yaml", "csc_digits_tent.yaml", "cdc_digits.yaml"])
 def test_tta_config_runs(name, source_ckpt, run_root):
     import csv
@@ -328,6 +329,7 @@ def test_tta_config_runs(name, source_ckpt, run_root):
     assert logged["test/error"] == pytest.approx(weighted, abs=F32)
 
 
+@pytest.mark.e2e
 def test_tta_needs_gradients_in_test(source_ckpt, run_root):
     from tests.helpers import CONFIGS, run_cli
 

@@ -204,6 +204,7 @@ def test_bad_inputs_raise_named_errors():
         TaskDataModule([0, 1, 2], [2, 3])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["gridnav_safe", "gridnav_unconstrained", "gridnav_pg_lagrange", "gridnav_second_order"])
 def test_config_runs_and_monitor_writes(name, tmp_path):
     from lowrank_lit.report import last_values
@@ -270,6 +271,7 @@ def test_gae_gaussian_policy_and_projection():
     assert torch.allclose(pol.mean(obs[:1]), torch.full((1, 2), 0.8), atol=0.05)  # tol: 300 Adam steps, not to convergence
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["pointnav_safe", "pointnav_pg_lagrange", "velocitycart_safe", "halfcheetah_velocity"])
 def test_neural_config_runs(name, tmp_path):
     from lowrank_lit.report import last_values

@@ -251,6 +251,7 @@ def _with_key(embedded: ShallowDiffuse, other: ShallowDiffuse) -> ShallowDiffuse
 
 # -- configs --------------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["molrg_shallow_diffuse", "molrg_tree_ring", "gaussian_shallow_diffuse"])
 def test_config_runs(name, run_root, checked_figures):
     import csv
@@ -269,6 +270,7 @@ def test_config_runs(name, run_root, checked_figures):
     assert roc and all(not checked_figures[p] for p in checked_figures), checked_figures  # titled, labelled, drawn
 
 
+@pytest.mark.e2e
 def test_unet_training_and_evaluation_configs(run_root):
     from tests.helpers import CONFIGS, run_cli
 

@@ -202,6 +202,7 @@ def _cp_worker(rank, world, port, seqs, placement, out):
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_two_process_cp_attention_equals_single_process(tmp_path):
     import socket
 
@@ -225,6 +226,7 @@ def test_two_process_cp_attention_equals_single_process(tmp_path):
 
 # -- configs -----------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["sft_skrull", "sft_baseline"])
 def test_config_runs_and_schedules_agree(name, run_root):
     import csv
@@ -239,6 +241,7 @@ def test_config_runs_and_schedules_agree(name, run_root):
     assert losses and all(0 < v < 6 for v in losses)
 
 
+@pytest.mark.e2e
 def test_ddp_run_logs_without_the_sync_dist_warning(tmp_path):
     """Two DDP processes: the validation loss (summed over ranks by the module) is logged without Lightning's
     "use sync_dist=True" warning, and the run finishes."""
@@ -335,6 +338,7 @@ def test_jsonl_sequences_and_bad_files(tmp_path):
         PackedSFTDataModule(SkrullPlanner(1024, cp=2), max_length=4096)
 
 
+@pytest.mark.e2e
 def test_padding_share_and_tokens_per_second_are_logged_for_the_padded_char_lm(tmp_path):
     """The char-LM's padded Llama under a plan: ``train/pad_share`` is the share of padded positions of the step's
     micro-batches (each padded to its longest sequence), 0 for the packed model; ``train/tokens_per_s`` is positive."""

@@ -486,6 +486,7 @@ def test_spatial_transcriptomics_datamodule_from_files(tmp_path):
         bad.setup()
 
 
+@pytest.mark.e2e
 def test_real_slides_config_fits_on_user_files(tmp_path, run_root):
     from tests.helpers import CONFIGS, run_cli
 

@@ -304,6 +304,7 @@ def _run(method, batches, reset):
     return module
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("make", [lambda: TRUST(k=2, lr=1e-2), lambda: Tent(lr=1e-2, norms="batchnorm")])
 def test_a_new_domain_starts_from_the_source_with_a_fresh_optimizer(make):
     both = _stream(["gaussian_noise", "contrast"])
@@ -385,6 +386,7 @@ def source_root(tmp_path_factory):
     return root
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["digits_c_trust", "digits_c_naive", "digits_c_tent", "digits_c_source", "digits_c_trust_ln"])
 def test_tta_config_runs(name, source_root, run_root):
     from tests.helpers import CONFIGS, run_cli

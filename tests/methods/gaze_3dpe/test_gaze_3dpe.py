@@ -43,6 +43,7 @@ def test_single_head_predictor_is_the_written_formula():
         FacePriorGazePredictor(16, 21, 8, heads=3)
 
 
+@pytest.mark.e2e
 def test_variants_train_the_declared_parts(tmp_path):
     """cnn: every weight re-initialised; finetune: starts from the prior and changes it; 3DGP variants: encoder
     frozen in eval mode, only gamma / predictor / projection train; the concept losses join after stage 1."""
@@ -81,6 +82,7 @@ def test_variants_train_the_declared_parts(tmp_path):
             assert not any(k.startswith("proj.") for k in changed)
 
 
+@pytest.mark.e2e
 def test_stage_two_adds_the_concept_losses(tmp_path):
     from tests.helpers import CONFIGS, run_cli
 
@@ -104,6 +106,7 @@ def test_stage_two_adds_the_concept_losses(tmp_path):
         assert (run / "gaze_grid.png").is_file()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("variant", ["cnn", "finetune"])
 def test_baseline_configs_run(variant, tmp_path):
     from lowrank_lit.report import last_values
@@ -119,6 +122,7 @@ def test_baseline_configs_run(variant, tmp_path):
     assert "test/target_light/iod_err_low" not in vals  # no face prior, no IOD estimate
 
 
+@pytest.mark.e2e
 def test_summary_reads_the_runs(tmp_path):
     from lowrank_lit.launch.summarize import get_summary
     from tests.helpers import CONFIGS, run_cli

@@ -21,6 +21,7 @@ def _fit(tmp_path, name: str, *extra: str, run_id: str = "smoke") -> object:
     return tmp_path / "lowrank_rnn_cl" / name / run_id
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["what_how", "oracle", "vanilla"])
 def test_config_runs_and_writes_the_forgetting_matrix(name, tmp_path):
     run = _fit(tmp_path, name)
@@ -34,6 +35,7 @@ def test_config_runs_and_writes_the_forgetting_matrix(name, tmp_path):
     assert (run / "inferred_epochs.png").is_file() == (name == "what_how")
 
 
+@pytest.mark.e2e
 def test_freeze_reused_keeps_earlier_components_bit_identical(tmp_path):
     """Train stage 0 and 1 of the oracle stream by hand: after stage 1 the components and W_out used by stage 0 are
     bit-identical and stage 0's outputs unchanged; without freezing they move."""
@@ -66,6 +68,7 @@ def test_freeze_reused_keeps_earlier_components_bit_identical(tmp_path):
         assert not torch.equal(m.how.U[new], snaps["U"][new])
 
 
+@pytest.mark.e2e
 def test_checkpoint_carries_the_what_system_and_the_stage(tmp_path):
     """A checkpoint in the middle of the stream (step 9 of 12, inside stage 1) holds the what system, the stage and
     the forgetting rows so far; loading it into a fresh module restores them (the batches resume through the
