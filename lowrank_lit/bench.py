@@ -177,6 +177,9 @@ class ConfigBench:
         claim: the paper's claim or our target, in words.
         target: the row is met when the ratio is at most this.
         rounds: timed rounds (3 in quick mode).
+        phases: the dotted attribute of the method's module that records its phases when set to ``{}``
+            (``phase -> [seconds per batch]``, e.g. ReservoirTTA's ``method.phase_seconds``); the row's note then gives
+            the median milliseconds of each phase per batch. None: no breakdown.
     """
 
     method: str
@@ -192,6 +195,7 @@ class ConfigBench:
     steps: int = 12
     quick_steps: int = 4
     rounds: int = 5
+    phases: str | None = None
 
 
 def _fmt(x: float) -> str:

@@ -7,6 +7,7 @@ them, runs the :class:`~lowrank_lit.bench.ConfigBench` comparisons (two configs 
 
 from __future__ import annotations
 
+import operator
 import statistics
 import sys
 import time
@@ -68,8 +69,13 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
     per_round: dict[str, list[float]] = {"method": [], "baseline": []}
     memory: dict[str, int] = {"method": 0, "baseline": 0}
     cuda = ctx.device.startswith("cuda")
+    phases: dict[str, list[float]] = {}
+    owner, _, attr = (spec.phases or "").rpartition(".")
+    recorder = operator.attrgetter(owner)(built["method"][0]) if spec.phases and owner else built["method"][0]
     for _ in range(rounds):
         for name, (model, data, callbacks) in built.items():
+            if spec.phases and name == "method":
+                setattr(recorder, attr, {})
             timer = StepCost(skip=0, stage="train" if spec.verb == "fit" else "test")
             limit = {"max_steps": steps, "limit_val_batches": 0, "num_sanity_val_steps": 0} if spec.verb == "fit" \
                 else {"limit_test_batches": steps}
@@ -92,11 +98,17 @@ def run_config_bench(ctx: BenchContext, spec: ConfigBench) -> BenchRow:
                 raise RuntimeError(f"lowrank bench: {spec.config if name == 'method' else spec.baseline_config} ran no "
                                    f"{'training step' if spec.verb == 'fit' else 'test batch'}; check its data and limits")
             per_round[name].append(statistics.median(times))
+            if spec.phases and name == "method":
+                for phase, seconds in getattr(recorder, attr).items():
+                    phases.setdefault(phase, []).extend(seconds[1:] or seconds)  # as the timer: the first batch left out
+                setattr(recorder, attr, None)
     ratios = [a / b for a, b in zip(per_round["method"], per_round["baseline"], strict=True)]
     unit = "step" if spec.verb == "fit" else "test batch"
     note = (f"{1e3 * statistics.median(per_round['method']):.1f} vs {1e3 * statistics.median(per_round['baseline']):.1f} "
             f"ms per {unit}; {spec.config}{' ' + ' '.join(spec.method_overrides) if spec.method_overrides else ''} "
             f"vs {spec.baseline_config}")
+    if phases:
+        note += "; per batch: " + ", ".join(f"{p} {1e3 * statistics.median(s):.1f} ms" for p, s in phases.items())
     held = f"{'peak' if cuda else 'held'} {mib(memory['method'])} vs {mib(memory['baseline'])}"
     return BenchRow(spec.method, spec.compared, spec.baseline, statistics.median(ratios), (min(ratios), max(ratios)),
                     spec.claim, spec.target, memory=held, note=note, device=ctx.device)

@@ -32,7 +32,9 @@ Per batch (method card 11, section 2):
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -180,6 +182,20 @@ class ReservoirTTA(TTAWrapper):
         self.centroid_lr, self.n_source_styles, self.fmt = centroid_lr, n_source_styles, fmt
         self.generator = torch.Generator().manual_seed(seed)
         self.last_cluster: int | None = None
+        #: set to ``{}`` to record the wall time of each phase of every batch (``phase -> [seconds per batch]``):
+        #: style, routing, predict (the ensembled model), adapt, states (copies kept); ``lowrank bench`` reads it
+        self.phase_seconds: dict[str, list[float]] | None = None
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        if self.phase_seconds is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds.setdefault(name, []).append(time.perf_counter() - start)
 
     # -- setup -------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, source_batches: Iterable[Any] | None = None) -> None:
@@ -285,27 +301,34 @@ class ReservoirTTA(TTAWrapper):
 
     # -- one batch ---------------------------------------------------------------------------------
     def forward_and_adapt(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.extractor(x)
-        q = self.route(s, x)
+        with self._phase("style"):
+            s = self.extractor(x)
+        with self._phase("routing"):
+            q = self.route(s, x)
         k = int(q.argmax())
         self.last_cluster, self.last_q = k, q
         if self.ensembling:
             # the prediction needs the ensembled parameters and the routed copy's method buffers (e.g.
             # CoTTA's teacher), not its optimizer state: that is loaded for adapting only
-            self.method.load_extra_state(copy.deepcopy(self.copies[k]["extra"]))
-            self.method.load_params(self.ensemble(q))
-            logits = self.method.predict(x)
-            self.method.set_state(self.copies[k], copy_state=False)  # copy k is replaced by the new state below
-            self.method.adapt(x)
+            with self._phase("predict"):
+                self.method.load_extra_state(copy.deepcopy(self.copies[k]["extra"]))
+                self.method.load_params(self.ensemble(q))
+                logits = self.method.predict(x)
+            with self._phase("adapt"):
+                self.method.set_state(self.copies[k], copy_state=False)  # copy k is replaced by the new state below
+                self.method.adapt(x)
         else:
             # the routed copy predicts: its pre-step logits come out of the adaptation forward pass itself
-            self.method.set_state(self.copies[k], copy_state=False)
-            logits = self.method.forward_and_adapt(x)
-        new = self.method.get_state()
-        if self.progressive_update:
-            w = float(q[k])
-            new["params"] = [(1 - w) * old + w * p for old, p in zip(self.copies[k]["params"], new["params"], strict=True)]
-        self.copies[k] = new
+            with self._phase("adapt"):
+                self.method.set_state(self.copies[k], copy_state=False)
+                logits = self.method.forward_and_adapt(x)
+        with self._phase("states"):
+            new = self.method.get_state()
+            if self.progressive_update:
+                w = float(q[k])
+                new["params"] = [(1 - w) * old + w * p
+                                 for old, p in zip(self.copies[k]["params"], new["params"], strict=True)]
+            self.copies[k] = new
         return logits
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
@@ -392,4 +415,4 @@ def bench(ctx: Any) -> list[Any]:
                         "configs/reservoir_tta/csc_digits.yaml", "configs/reservoir_tta/csc_digits_tent.yaml",
                         "our target <= 1.5x (routing + ensembling)", 1.5,
                         overrides=("--model.init_args.source_ckpt=null",), verb="test", steps=24, quick_steps=6,
-                        rounds=3)]
+                        rounds=3, phases="method.phase_seconds")]
