@@ -399,9 +399,12 @@ def test_char_lm_config_runs(tmp_path):
         assert len(list(csv.DictReader(f))) == 14  # 2 layers x (q, k, v, o, gate, up, down)
 
 
-def test_batched_float32_decode_matches_the_float64_reference():
-    """GLVQLinear decodes all groups with one batched matmul in float32; it must equal the per-group
-    float64 reference to float32 rounding, with and without companding."""
+@pytest.mark.parametrize("mu,offset", [((0.0, 255.0, 8.0), 0.0), ((0.0, 255.0, 8.0), 0.5), ((0.0, 0.0, 0.0), 0.0),
+                                       ((0.0, 0.0, 0.0), 0.5)], ids=["companded", "companded-offset", "plain", "plain-offset"])
+def test_batched_float32_decode_matches_the_float64_reference(mu, offset):
+    """GLVQLinear decodes all groups with one batched matmul in float32 (with no companded group, the scales and the
+    codebook offset folded into it); it must equal the per-group float64 reference to float32 rounding, with and
+    without companding and the half-step offset."""
     from lowrank_lit.methods.glvq import GLVQLinear, decode_groups
 
     torch.manual_seed(0)
@@ -410,15 +413,16 @@ def test_batched_float32_decode_matches_the_float64_reference():
     layer.set_codes(torch.randint(-2, 2, layer.codes.shape, dtype=torch.int8), 2)
     with torch.no_grad():
         layer.G.copy_(torch.randn(n_groups, d, d) * 0.3)
-        layer.mu.copy_(torch.tensor([0.0, 255.0, 8.0]))  # group 0 not companded
+        layer.mu.copy_(torch.tensor(mu))  # group 0 never companded
         layer.scale.copy_(torch.tensor([0.5, 1.5, 0.02]))
+        layer.offset.fill_(offset)
     layer._drop_cache()
     fast, ref = layer.weight_hat(), layer.weight_hat_reference()
     assert fast.dtype == torch.float32 and fast.shape == (40, 96)
     torch.testing.assert_close(fast.double(), ref, rtol=2e-6, atol=2e-6 * float(ref.abs().max()))  # tol: float32 decode, <= 16 ulps
     assert not torch.equal(fast[:, 32:64].double(), ref[:, :32].double())  # groups land in their own columns
     # the same through the function on float64 buffers is the reference itself
-    exact = decode_groups(layer.G.double(), layer.codes, layer.mu.double(), layer.scale.double(), 40, 32)
+    exact = decode_groups(layer.G.double(), layer.codes, layer.mu.double(), layer.scale.double(), 40, 32, offset)
     torch.testing.assert_close(exact, ref, rtol=F64, atol=F64)
 
 
