@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 
 from lowrank_lit.launch.run_dir import CLAIM_FILE, RunDirError, claim_run_dir, release_claims, resolve_run_dir
-from tests.helpers import MLP_CONFIG
+from tests.helpers import MLP_CONFIG, ROOT
 
 FIT = ["fit", "--config", str(MLP_CONFIG), "--trainer.max_epochs=3", "--test_after_fit=false", "--run_id", "X",
        "--run_root", "runs"]
-ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+#: 0.1 s after every batch (about 7 s over three epochs): the first run is still live when the second reaches its
+#: claim, even when the second process starts seconds later on a machine busy with other tests
+SLOW = ["--trainer.callbacks+=tests.helpers.SlowBatches", "--trainer.callbacks.init_args.seconds=0.1"]
 
 
 def _start(cwd: Path, *extra: str) -> subprocess.Popen:
@@ -32,12 +35,12 @@ def _files(run: Path) -> dict[str, bytes]:
 
 @pytest.mark.e2e
 def test_two_runs_started_together_on_one_run_id_one_runs_alone_the_other_is_refused(tmp_path):
-    """Ten times: two `lowrank fit --run_id X` processes started at once (three epochs, so the first is still live when
-    the second starts on a loaded machine); one runs and its files are byte-identical to
+    """Ten times: two `lowrank fit --run_id X` processes started at once (three epochs slowed by 0.1 s a batch, so the
+    first is still live when the second starts on a loaded machine); one runs and its files are byte-identical to
     a solo run's, the other is refused in one line naming the live run (host, pid) and writes nothing."""
     solo = tmp_path / "solo"
     solo.mkdir()
-    proc = _start(solo)
+    proc = _start(solo, *SLOW)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
     want = _files(solo / "runs" / "baseline" / "mlp_digits" / "X")
@@ -45,7 +48,7 @@ def test_two_runs_started_together_on_one_run_id_one_runs_alone_the_other_is_ref
     for i in range(10):
         cwd = tmp_path / f"pair{i}"
         cwd.mkdir()
-        pair = [_start(cwd), _start(cwd)]
+        pair = [_start(cwd, *SLOW), _start(cwd, *SLOW)]
         results = [(p, *p.communicate(timeout=300)) for p in pair]
         codes = sorted(p.returncode for p, _, _ in results)
         assert codes == [0, 2], [(p.returncode, e[-1500:]) for p, _, e in results]
