@@ -18,6 +18,7 @@ from typing import Any
 from jsonargparse.typing import PositiveInt
 
 from lowrank_lit.bench import BenchContext, BenchRow, ConfigBench, bench_table, mib, tensor_bytes
+from lowrank_lit.launch.checks import import_dotted
 from lowrank_lit.launch.verbs import Typed
 
 __all__ = ["get_bench", "run_benches", "run_config_bench", "main"]
@@ -29,7 +30,6 @@ def get_bench(slug: str) -> Callable[[BenchContext], list[BenchRow | ConfigBench
     Raises:
         KeyError: ``slug`` is not registered, or registers no benchmark (the message names the ones that do).
     """
-    import importlib
 
     from lowrank_lit import registry
 
@@ -39,8 +39,7 @@ def get_bench(slug: str) -> Callable[[BenchContext], list[BenchRow | ConfigBench
         known = ", ".join(sorted(s for s, m in methods.items() if m.bench)) or "(none)"
         what = "is not a registered method" if info is None else "registers no benchmark"
         raise KeyError(f"{slug!r} {what}; methods with a benchmark: {known}")
-    module, _, name = info.bench.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return import_dotted(info.bench)
 
 
 def _build(config: str, overrides: Sequence[str], verb: str) -> tuple[Any, Any, list[Any]]:

@@ -30,7 +30,7 @@ __all__ = [
     "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed", "RunSpec", "NEEDS", "ConfigHeader", "config_header",
-    "resolve_path_templates",
+    "resolve_path_templates", "import_dotted",
 ]
 
 
@@ -250,6 +250,12 @@ def check_input_files(cfg: Any) -> None:
             raise ConfigError(f"{key}={value!r} does not exist{hint}")
 
 
+def import_dotted(path: str) -> Any:
+    """The object a dotted path names: ``"torch.optim.AdamW"`` -> the class (its module is imported)."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 def _class_args(cfg: Any) -> list[tuple[str, type]]:
     """``(prefix, class)`` of every class a config builds: ``("data.init_args", MyData)``,
     ``("model.init_args.optimizer.init_args", torch.optim.AdamW)``; classes that cannot be imported are left out."""
@@ -257,9 +263,8 @@ def _class_args(cfg: Any) -> list[tuple[str, type]]:
     for key, value in cfg.items():
         if not (key == "class_path" or key.endswith(".class_path")) or not isinstance(value, str) or "." not in value:
             continue
-        module, name = value.rsplit(".", 1)
         try:
-            cls = getattr(importlib.import_module(module), name)
+            cls = import_dotted(value)
         except Exception:  # noqa: BLE001 - the parser has already said what it could not import
             continue
         if isinstance(cls, type):
@@ -406,8 +411,7 @@ def closest(name: str, candidates: Sequence[str], cutoff: float = 0.6) -> str | 
 def _init_arg_names(class_path: str) -> list[str]:
     """Argument names of a class's ``__init__`` (empty when it cannot be imported)."""
     try:
-        module, _, name = class_path.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
+        cls = import_dotted(class_path)
         return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
     except Exception:  # noqa: BLE001 - only a hint
         return []

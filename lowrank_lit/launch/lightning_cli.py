@@ -8,7 +8,6 @@ without parsing or running anything (the sweep runner checks swept values with i
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from typing import Any
@@ -31,6 +30,7 @@ from lowrank_lit.launch.checks import (
     check_values,
     experiment_from_configs,
     first_line,
+    import_dotted,
     is_rank_zero,
     one_line_error,
     quiet_known_noise,
@@ -54,11 +54,6 @@ from lowrank_lit.launch.run_dir import (
 __all__ = ["LowrankCLI", "RunStopped", "AlreadyFinished", "build_parser", "run_command"]
 
 quiet_known_noise()
-
-
-def _import(class_path: str) -> type:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 class LowrankCLI(LightningCLI):
@@ -332,7 +327,7 @@ class LowrankCLI(LightningCLI):
         """
         trainer_cfg = cfg.trainer
         entries = [] if value is None else list(value) if isinstance(value, list) else [value]
-        classes = [_import(e.class_path) for e in entries]
+        classes = [import_dotted(e.class_path) for e in entries]
         checkpointing = trainer_cfg.get("enable_checkpointing") is not False
         if subcommand == "fit" and checkpointing and not any(issubclass(c, ResumeCheckpoint) for c in classes):
             for entry, cls in zip(entries, classes, strict=True):
@@ -424,14 +419,14 @@ class LowrankCLI(LightningCLI):
         if value is False:  # logging explicitly switched off
             return False
         entries = [] if value in (None, True) else list(value) if isinstance(value, list) else [value]
-        csv = [e for e in entries if issubclass(_import(e.class_path), CSVLogger)]
+        csv = [e for e in entries if issubclass(import_dotted(e.class_path), CSVLogger)]
         if not csv:
             csv = [Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace())]
         others = [e for e in entries if e not in csv]
         # CSV first: trainer.log_dir (config.yaml) and checkpoints/ then live in the run directory itself
         csv[0].init_args.update(Namespace(save_dir=str(run_dir.path), name="", version=""))
         for entry in others:
-            if issubclass(_import(entry.class_path), WandbLogger):
+            if issubclass(import_dotted(entry.class_path), WandbLogger):
                 self._configure_wandb(entry.init_args, run_dir)
         return [csv[0], *others]
 

@@ -80,9 +80,8 @@ def get_summary(slug: str) -> Summary:
 
 
 def _resolve_summary(slug: str) -> Summary:
-    import importlib
-
     from lowrank_lit import registry
+    from lowrank_lit.launch.checks import import_dotted
 
     methods = {m.slug: m for m in registry.scan_methods()}
     info = methods.get(slug)
@@ -92,8 +91,7 @@ def _resolve_summary(slug: str) -> Summary:
         known = ", ".join(sorted(s for s, m in methods.items() if m.summary)) or "(none)"
         what = "is not a registered method" if info is None else "registers no summary"
         raise KeyError(f"{slug!r} {what}; methods with a summary: {known}; studies: {', '.join(known_studies)}")
-    module, _, name = path.rpartition(".")
-    fn = getattr(importlib.import_module(module), name)
+    fn = import_dotted(path)
     return Summary(slug, fn, (fn.__doc__ or "").strip().splitlines()[0],
                    info.target.rpartition(".")[0] if info is not None else None)
 
