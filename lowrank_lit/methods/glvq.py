@@ -41,6 +41,7 @@ lattice (``G = s I``). Inferred choices (the paper leaves them open) are marked 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -1061,7 +1062,7 @@ def bench(ctx: Any) -> list[Any]:
     q.weight_hat()
     fwd = ctx.compare({"GLVQ": lambda: q(x), "dense": lambda: lin(x)}, ctx.rounds(50, 5), warmup=2)
     note = f"{side} x {side}, groups of 128, d = 8, 2 bits"
-    unpack_ms = 1e3 * sorted(times["unpack"])[len(times["unpack"]) // 2]
+    unpack_ms = 1e3 * statistics.median(times["unpack"])  # as ratio_row's medians
     return [ratio_row(ctx, "glvq", "GLVQ decode of a layer from int8 codes (batched float32)",
                       "RTN dequantize from uint8 codes (lo + step * q)", times, "GLVQ", "RTN", "our target <= 2x RTN", 2.0,
                       note=f"{note}; unpacking the 2-bit packed codes to int8 (once per load): {unpack_ms:.2f} ms"),
