@@ -12,6 +12,7 @@ cannot count steps, so every loop is counted). ``tests/test_tiers.py`` asserts t
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +103,7 @@ def _functions(tree: ast.Module) -> dict[str, ast.AST]:
     return found
 
 
+@functools.cache
 def _helper_starters() -> set[str]:
     """Helpers of tests/helpers.py that start something themselves."""
     path = Path(__file__).with_name("helpers.py")
