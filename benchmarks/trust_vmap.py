@@ -8,7 +8,8 @@ the K traversal permutations (the SS2D ``perm`` buffers) are stacked and ``vmap(
 gradients in one call. Digits TinyVMamba (randomly initialised, BatchNorm in train mode), the official code's six
 traversals, batch ``--batch``; median of ``--repeats`` after one warm-up. The K gradients of both paths agree
 (largest difference printed). mambapy's parallel scan is an ``autograd.Function`` without a vmap rule, so the
-batched path uses the step-by-step scan; the loop is timed with both scans.
+batched path uses our ``linear_scan`` (``parallel_scan=False``); the loop is timed with both scans. TRUST's
+``batched=True`` parallel modes run this path (``lowrank bench trust`` times the whole per-batch step).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ def main() -> None:
     x = torch.rand(args.batch, 1, 8, 8, generator=g)
     labels = torch.randint(0, 10, (k, args.batch), generator=g)  # (K, B) pseudo-labels, one row per traversal
     models = {}
-    for scan in ("loop", "pscan"):
+    for scan in ("linear", "pscan"):
         torch.manual_seed(0)
         models[scan] = TinyVMamba(dim=32, img_size=8, stem_stride=2, parallel_scan=scan == "pscan").train()
-    model = models["loop"]
+    model = models["linear"]
     params = {n: torch.stack([p.detach()] * k) for n, p in model.named_parameters()}  # (K, ...) each
     buffers = {n: torch.tensor(perms) if n.endswith(".perm") else torch.stack([b.clone()] * k)
                for n, b in model.named_buffers()}
@@ -62,8 +63,8 @@ def main() -> None:
     grads = batched(params, buffers, labels)
     ref = one_after_another(models["pscan"])
     diff = max(float((grads[n][i] - ref[i][n]).abs().max()) for i in range(k) for n in grads)
-    timed = {"vmap, step-by-step scan": lambda: batched(params, buffers, labels),
-             "loop over K, step-by-step scan": lambda: one_after_another(models["loop"]),
+    timed = {"vmap, linear_scan": lambda: batched(params, buffers, labels),
+             "loop over K, linear_scan": lambda: one_after_another(models["linear"]),
              "loop over K, mambapy pscan (today's path)": lambda: one_after_another(models["pscan"])}
     times: dict[str, list[float]] = {name: [] for name in timed}
     for i in range(args.repeats + 1):

@@ -12,6 +12,7 @@ from lowrank_lit.models.vmamba import (
     TinyVMamba,
     cross_merge,
     cross_scan,
+    linear_scan,
     selective_scan,
     selective_scan_ref,
     set_traversal,
@@ -46,6 +47,53 @@ def test_scans_equal_the_loop(L):
     loop = _loop(*args)
     assert torch.allclose(selective_scan_ref(*args), loop, atol=F32_LAYERS)
     assert torch.allclose(selective_scan(*args, parallel=True), loop, atol=F32_LAYERS)
+    assert torch.allclose(selective_scan(*args, parallel=False), loop, atol=F32_LAYERS)
+
+
+def _decays(shape, seed):  # (a, x) of a linear recurrence: a in (0.5, 1) as exp(delta A) gives
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(*shape, generator=g) * 0.5 + 0.5, torch.randn(*shape, generator=g)
+
+
+@pytest.mark.parametrize("L", [1, 2, 7, 16, 64, 100])
+def test_linear_scan_equals_mambapy_pscan_forward_and_backward(L):
+    from mambapy.pscan import pscan
+
+    a, x = _decays((3, L, 5, 4), seed=L)
+    w = torch.randn(3, L, 5, 4, generator=torch.Generator().manual_seed(100 + L))  # a generic upstream gradient
+    out = {}
+    for name, scan in (("ours", linear_scan), ("mambapy", pscan)):
+        aa, xx = a.clone().requires_grad_(), x.clone().requires_grad_()
+        h = scan(aa, xx)
+        (h * w).sum().backward()
+        out[name] = (h.detach(), aa.grad, xx.grad)
+    for ours, theirs in zip(out["ours"], out["mambapy"], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    h = torch.zeros(3, 5, 4)  # and the recurrence itself
+    for t in range(L):
+        h = a[:, t] * h + x[:, t]
+        torch.testing.assert_close(out["ours"][0][:, t], h, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_scan_gradients_in_float64_and_under_vmap():
+    from torch.func import grad, vmap
+
+    a, x = _decays((2, 6, 3), seed=1)
+    assert torch.autograd.gradcheck(linear_scan, (a.double().requires_grad_(), x.double().requires_grad_()))
+    a, x = _decays((4, 2, 9, 3), seed=2)  # 4 independent problems, vmapped over the first dimension
+
+    def f(a, x):
+        return (linear_scan(a, x) ** 2).sum()
+
+    batched = vmap(grad(f, argnums=(0, 1)))(a, x)
+    torch.testing.assert_close(vmap(linear_scan)(a, x), torch.stack([linear_scan(a[i], x[i]) for i in range(4)]))
+    for i in range(4):
+        ai, xi = a[i].clone().requires_grad_(), x[i].clone().requires_grad_()
+        ga, gx = torch.autograd.grad(f(ai, xi), (ai, xi))
+        torch.testing.assert_close(batched[0][i], ga)
+        torch.testing.assert_close(batched[1][i], gx)
+    with pytest.raises(ValueError, match=r"linear_scan: a \(2, 3\) and x \(2, 4\); allowed: one shape"):
+        linear_scan(torch.ones(2, 3), torch.ones(2, 4))
 
 
 def test_cross_merge_of_cross_scan_is_4x_and_identity_scan():

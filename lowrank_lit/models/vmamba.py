@@ -7,8 +7,11 @@ transposes, sum) -> ``out_norm`` (LayerNorm) -> ``out_proj``.
 
 Selective scan of group ``k``: ``[dt, B, C] = x_proj[k] u``, ``Delta = softplus(dt_proj[k] dt + b_dt[k])``,
 ``A = -exp(A_log[k])``; ``h_l = exp(Delta_l A) * h_{l-1} + Delta_l B_l u_l``, ``y_l = C_l . h_l + D_k u_l``.
-:func:`selective_scan_ref` runs the recurrence step by step; :func:`selective_scan` computes the same with
-``mambapy``'s parallel (Blelloch) scan (``parallel=True``, the default) or the loop.
+:func:`selective_scan_ref` runs the recurrence step by step (the reference); :func:`selective_scan` computes the
+same with ``mambapy``'s parallel (Blelloch) scan (``parallel=True``, the default) or with :func:`linear_scan`
+(``parallel=False``): the recurrence in an ``autograd.Function`` whose backward is the adjoint recurrence (no
+autograd graph per step), with a vmap rule, so ``torch.func.vmap`` can batch whole forward and backward passes
+over it (TRUST's K traversals at once); mambapy's in-place scan has none.
 
 Traversals: a permutation ``pi`` of the four directions (:meth:`SS2D.set_traversal`): group ``k`` scans
 direction ``pi(k)`` (``xs <- xs[:, pi]``) and its output is put back with ``pi^-1`` (``argsort(pi)``) before the
@@ -20,14 +23,17 @@ Init (VMamba / Mamba): ``A_log = log(1..N)``, ``D = 1``, the ``dt`` bias the inv
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["selective_scan_ref", "selective_scan", "cross_scan", "cross_merge", "SS2D", "TinyVMamba", "LayerNorm2d",
+__all__ = ["selective_scan_ref", "selective_scan", "linear_scan", "vmappable_scans", "cross_scan", "cross_merge", "SS2D", "TinyVMamba", "LayerNorm2d",
            "PERMUTATIONS", "check_permutation", "set_traversal", "convert_official_vmamba"]
 
 #: the 24 traversal permutations of the four scan directions, identity first
@@ -64,17 +70,78 @@ def selective_scan_ref(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
     return torch.stack(ys, 1) + u * D
 
 
+class _LinearScan(torch.autograd.Function):
+    """:func:`linear_scan`: the recurrence forward, its adjoint recurrence backward, no autograd graph per step;
+    ``generate_vmap_rule``: both are out-of-place torch ops, so vmap batches them as they are."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = x[:, 0]  # (b, ...)
+        hs = [h]
+        for t in range(1, x.shape[1]):
+            h = torch.addcmul(x[:, t], a[:, t], h)  # h_t = a_t h_{t-1} + x_t
+            hs.append(h)
+        return torch.stack(hs, 1)  # (b, L, ...)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        a, h = ctx.saved_tensors  # (b, L, ...) each
+        L = grad_h.shape[1]
+        g = grad_h[:, L - 1]  # dLoss/dh_t in full: grad_h_t + a_{t+1} dLoss/dh_{t+1}, from the end
+        gs = [g]
+        for t in range(L - 2, -1, -1):
+            g = torch.addcmul(grad_h[:, t], a[:, t + 1], g)
+            gs.append(g)
+        grad_x = torch.stack(gs[::-1], 1)  # (b, L, ...)
+        grad_a = torch.cat([torch.zeros_like(h[:, :1]), grad_x[:, 1:] * h[:, :-1]], 1)  # dh_t/da_t = h_{t-1}
+        return grad_a, grad_x
+
+
+def linear_scan(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``h_t = a_t h_{t-1} + x_t`` over dim 1 with ``h_{-1} = 0``, for ``a, x (b, L, ...)`` of one shape.
+
+    One pass over ``L`` forward and one backward (a custom backward: no autograd node per step), so linear work
+    on ``(b, ...)`` slices; works under ``torch.func.vmap`` and ``grad``. Equal to ``mambapy.pscan.pscan`` to
+    float32 rounding, forward and backward (``tests/test_vmamba.py``); ``lowrank bench trust`` times the two.
+    """
+    if a.shape != x.shape or a.dim() < 2:
+        raise ValueError(f"linear_scan: a {tuple(a.shape)} and x {tuple(x.shape)}; allowed: one shape (b, L, ...)")
+    return _LinearScan.apply(a, x)
+
+
 def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    D: torch.Tensor, parallel: bool = True) -> torch.Tensor:
-    """:func:`selective_scan_ref`'s result; ``parallel`` uses ``mambapy.pscan.pscan`` (pure torch, any length)."""
-    if not parallel:
-        return selective_scan_ref(u, delta, A, B, C, D)
-    from mambapy.pscan import pscan
-
+    """:func:`selective_scan_ref`'s result; ``parallel`` uses ``mambapy.pscan.pscan`` (pure torch, any length),
+    otherwise :func:`linear_scan` (vmap-able)."""
     dA = torch.exp(delta[..., None] * A)  # (b, L, d, N)
     dBu = delta[..., None] * B[:, :, None, :] * u[..., None]  # (b, L, d, N)
-    h = pscan(dA, dBu)  # (b, L, d, N)
+    if parallel:
+        from mambapy.pscan import pscan
+
+        h = pscan(dA, dBu)  # (b, L, d, N)
+    else:
+        h = linear_scan(dA, dBu)
     return (h * C[:, :, None, :]).sum(-1) + u * D
+
+
+@contextlib.contextmanager
+def vmappable_scans(model: nn.Module) -> Iterator[None]:
+    """Inside the block every SS2D of ``model`` scans with :func:`linear_scan` (for ``torch.func.vmap``)."""
+    mods = [m for m in model.modules() if isinstance(m, SS2D)]
+    before = [m.parallel for m in mods]
+    for m in mods:
+        m.parallel = False
+    try:
+        yield
+    finally:
+        for m, p in zip(mods, before, strict=True):
+            m.parallel = p
 
 
 def cross_scan(x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +166,7 @@ class SS2D(nn.Module):
         dim: channels C.
         d_state: N, the state size. Default: 4.
         dt_rank: rank of the ``dt`` projection; None: ``ceil(C / 16)``. Default: None.
-        parallel: use the parallel scan. Default: True.
+        parallel: mambapy's parallel scan; False: :func:`linear_scan` (vmap-able). Default: True.
         bias: biases on ``in_proj``, the depthwise conv and ``out_proj`` (the official VMamba-T has none). Default: True.
     """
 
@@ -199,7 +266,8 @@ class TinyVMamba(nn.Module):
             3x3 convs with norm and GELU between and a norm after, VMamba's patch-4 stem). Default: 2.
         norm: ``bn`` (BatchNorm), ``gn`` (GroupNorm, batch-size independent) or ``ln2d`` (LayerNorm over channels,
             the official VMamba's). Default: bn.
-        parallel_scan: the parallel scan (``mambapy``) instead of the loop. Default: True.
+        parallel_scan: mambapy's parallel scan; False: :func:`linear_scan`, which ``torch.func.vmap`` can batch
+            (TRUST's batched parallel mode switches to it by itself). Default: True.
         ssm_bias: biases on the SS2D projections and depthwise conv (the official VMamba-T has none). Default: True.
     """
 

@@ -100,7 +100,7 @@ def test_sequential_carries_weights_and_parallel_averages_independent_steps():
     perms = [(0, 1, 2, 3), (3, 1, 2, 0)]
     x = _x()
     # parallel: the mean of two naive steps taken from the same start
-    par = TRUST(k=2, lr=1e-2, mode="parallel", traversals=[list(p) for p in perms])
+    par = TRUST(k=2, lr=1e-2, mode="parallel", traversals=[list(p) for p in perms], batched=False)
     mp = _setup(par)
     par.forward_and_adapt(x)
     singles = []
@@ -138,7 +138,7 @@ def test_parallel_resets_to_source_and_parallel_batch_to_the_batch_start():
         n.forward_and_adapt(x)
         return n.get_params()
 
-    par = TRUST(k=2, lr=1e-2, mode="parallel", traversals=[list(p) for p in perms])
+    par = TRUST(k=2, lr=1e-2, mode="parallel", traversals=[list(p) for p in perms], batched=False)
     _setup(par)
     par.snapshot_source()
     source = par.get_params()
@@ -151,7 +151,7 @@ def test_parallel_resets_to_source_and_parallel_batch_to_the_batch_start():
     want = merge_mean([naive_from(merged1, perms[0], x2), naive_from(source, perms[1], x2)])
     torch.testing.assert_close(par.get_params(), want, rtol=F32_LAYERS, atol=F32)
     # parallel_batch: both traversals of batch 2 start from batch 1's merge and the Adam state it ended with
-    pb = TRUST(k=2, lr=1e-2, mode="parallel_batch", traversals=[list(p) for p in perms])
+    pb = TRUST(k=2, lr=1e-2, mode="parallel_batch", traversals=[list(p) for p in perms], batched=False)
     _setup(pb)
     pb.forward_and_adapt(x1)
     torch.testing.assert_close(pb.get_params(), merged1, rtol=F32_LAYERS, atol=F32)  # batch 1 is the same for both
@@ -166,6 +166,55 @@ def test_parallel_resets_to_source_and_parallel_batch_to_the_batch_start():
         singles.append(one.get_params())
     torch.testing.assert_close(pb.get_params(), merge_mean(singles), rtol=F32_LAYERS, atol=F32)
     assert not all(torch.allclose(a, b, atol=F32_LAYERS) for a, b in zip(par.get_params(), pb.get_params(), strict=True))
+
+
+@pytest.mark.parametrize("mode,merge,steps,norm", [("parallel", "mean", 1, "ln2d"), ("parallel", "slerp", 2, "bn"),
+                                                   ("parallel_batch", "mean", 1, "bn"),
+                                                   ("parallel_batch", "slerp", 2, "ln2d")])
+def test_batched_traversals_equal_the_loop(mode, merge, steps, norm):
+    """The vmapped K traversals against one after another, over three batches (weights, Adam state, entropies,
+    predictions), both on linear_scan so that only the batching differs.
+
+    With BatchNorm every path from an SS2D's ``out_proj.bias`` to the logits passes a BatchNorm that removes a
+    per-channel constant, so its gradient is zero up to rounding and Adam turns that rounding into steps of up to
+    ``lr``: those biases are compared only under LayerNorm."""
+    runs = {}
+    for batched in (True, False):
+        m = TRUST(k=6, lr=1e-2, steps=steps, mode=mode, merge=merge, traversals="paper", batched=batched)
+        _setup(m, parallel_scan=False, norm=norm)
+        m.snapshot_source()
+        preds = [m.forward_and_adapt(_x(seed=s)) for s in range(3)]
+        runs[batched] = (m, preds, list(m.last_entropies))
+    (mb, pb, eb), (ml, pl, el) = runs[True], runs[False]
+    names = {id(p): n for n, p in ml.model.named_parameters()}
+    keep = [i for i, p in enumerate(ml.params) if norm != "bn" or not names[id(p)].endswith("ss2d.out_proj.bias")]
+    assert len(keep) == len(ml.params) - (2 if norm == "bn" else 0)  # the two blocks' out_proj biases
+    got, want = mb.get_params(), ml.get_params()
+    torch.testing.assert_close([got[i] for i in keep], [want[i] for i in keep], rtol=F32_LAYERS, atol=F32_LAYERS)
+    torch.testing.assert_close(pb, pl, rtol=F32_LAYERS, atol=F32_LAYERS)
+    torch.testing.assert_close(eb, el, rtol=F32_LAYERS, atol=F32_LAYERS)
+    sb, sl = mb.optimizer.state_dict()["state"], ml.optimizer.state_dict()["state"]
+    assert sb.keys() == sl.keys() and (mode == "parallel" or len(sb) == len(mb.params))
+    for i in set(sl) & set(keep):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sb[i][key], sl[i][key], rtol=F32_LAYERS, atol=F32_LAYERS)
+    assert not all(torch.equal(a, b) for a, b in zip(mb.get_params(), mb._source_state["params"], strict=True))
+
+
+def test_batched_traversals_fall_back_to_the_loop_on_unequal_adam_steps():
+    m = TRUST(k=2, lr=1e-2, mode="parallel", traversals="paper")
+    _setup(m)
+    m.snapshot_source()  # the source: a fresh Adam
+    m.forward_and_adapt(_x(seed=1))
+    assert m._batched_traversals(_x(seed=2), m._source_state) is not None  # every row fresh
+    n = TRUST(k=2, lr=1e-2, mode="parallel", traversals="paper")
+    _setup(n)
+    n.optimizer.zero_grad()
+    sum(p.sum() for p in n.params).backward()
+    n.optimizer.step()  # the current state has one Adam step, the source none
+    n.snapshot_source()
+    n.optimizer.state.clear()
+    assert n._batched_traversals(_x(seed=2), n._source_state) is None
 
 
 def test_merges():
@@ -342,7 +391,8 @@ def test_bad_inputs():
                     ({"k": 7, "traversals": "paper"}, r"k <= 6"),
                     ({"k": 2, "traversals": [[0, 1, 2, 2], [0, 1, 2, 3]]}, r"permutation of 0, 1, 2, 3"),
                     ({"k": 2, "traversals": [[0, 1, 2, 3]]}, r"exactly k=2"),
-                    ({"eval_traversal": [0, 1, 2]}, r"permutation of 0, 1, 2, 3")]:
+                    ({"eval_traversal": [0, 1, 2]}, r"permutation of 0, 1, 2, 3"),
+                    ({"batched": "yes"}, r"batched='yes'; allowed: true, false")]:
         with pytest.raises(ValueError, match=msg):
             TRUST(**kw)
     with pytest.raises(ValueError, match=r"lr=-1.0; allowed"):
