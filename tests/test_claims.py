@@ -19,9 +19,9 @@ from tests.helpers import MLP_CONFIG, ROOT
 FIT = ["fit", "--config", str(MLP_CONFIG), "--trainer.max_epochs=3", "--test_after_fit=false", "--run_id", "X",
        "--run_root", "runs"]
 ENV = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-#: 0.1 s after every batch (about 7 s over three epochs): the first run is still live when the second reaches its
-#: claim, even when the second process starts seconds later on a machine busy with other tests
-SLOW = ["--trainer.callbacks+=tests.helpers.SlowBatches", "--trainer.callbacks.init_args.seconds=0.1"]
+#: 0.25 s after every batch (about 17 s over three epochs): the first run is still live when the second reaches its
+#: claim, even when the second process starts seconds later on a machine busy with other tests and other pairs
+SLOW = ["--trainer.callbacks+=tests.helpers.SlowBatches", "--trainer.callbacks.init_args.seconds=0.25"]
 
 
 def _start(cwd: Path, *extra: str) -> subprocess.Popen:
@@ -35,27 +35,34 @@ def _files(run: Path) -> dict[str, bytes]:
 
 @pytest.mark.e2e
 def test_two_runs_started_together_on_one_run_id_one_runs_alone_the_other_is_refused(tmp_path):
-    """Ten times: two `lowrank fit --run_id X` processes started at once (three epochs slowed by 0.1 s a batch, so the
-    first is still live when the second starts on a loaded machine); one runs and its files are byte-identical to
-    a solo run's, the other is refused in one line naming the live run (host, pid) and writes nothing."""
+    """Ten times: two `lowrank fit --run_id X` processes started at once (three epochs slowed by 0.25 s a batch, so
+    the first is still live when the second starts on a loaded machine); one runs and its files are byte-identical
+    to a solo run's, the other is refused in one line naming the live run (host, pid) and writes nothing. The pairs
+    run in two waves of five, each pair in its own folder (the solo run beside the first wave)."""
     solo = tmp_path / "solo"
     solo.mkdir()
-    proc = _start(solo, *SLOW)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+    solo_proc = _start(solo, *SLOW)
+    outcomes = {}
+    for wave in (range(5), range(5, 10)):
+        pairs = {}
+        for i in wave:
+            (tmp_path / f"pair{i}").mkdir()
+            pairs[i] = [_start(tmp_path / f"pair{i}", *SLOW), _start(tmp_path / f"pair{i}", *SLOW)]
+        for i, pair in pairs.items():
+            outcomes[i] = [(p, *p.communicate(timeout=300)) for p in pair]
+        if solo_proc is not None:
+            _, err = solo_proc.communicate(timeout=300)
+            assert solo_proc.returncode == 0, err[-2000:]
+            solo_proc = None
     want = _files(solo / "runs" / "baseline" / "mlp_digits" / "X")
     assert CLAIM_FILE not in want and "checkpoints/last.ckpt" in want  # the claim is gone once the run ends
-    for i in range(10):
-        cwd = tmp_path / f"pair{i}"
-        cwd.mkdir()
-        pair = [_start(cwd, *SLOW), _start(cwd, *SLOW)]
-        results = [(p, *p.communicate(timeout=300)) for p in pair]
+    for i, results in sorted(outcomes.items()):
         codes = sorted(p.returncode for p, _, _ in results)
-        assert codes == [0, 2], [(p.returncode, e[-1500:]) for p, _, e in results]
+        assert codes == [0, 2], (i, [(p.returncode, e[-1500:]) for p, _, e in results])
         loser = next(r for r in results if r[0].returncode == 2)
         lines = [ln for ln in loser[2].splitlines() if ln.strip()]
         assert len(lines) == 1 and "is in use by a live run (host " in lines[0] and ", pid " in lines[0], loser[2]
-        assert _files(cwd / "runs" / "baseline" / "mlp_digits" / "X") == want, f"pair {i}"
+        assert _files(tmp_path / f"pair{i}" / "runs" / "baseline" / "mlp_digits" / "X") == want, f"pair {i}"
 
 
 @pytest.mark.e2e
