@@ -120,7 +120,7 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     """:func:`selective_scan_ref`'s result; ``parallel`` uses ``mambapy.pscan.pscan`` (pure torch, any length),
     otherwise :func:`linear_scan` (vmap-able)."""
     dA = torch.exp(delta[..., None] * A)  # (b, L, d, N)
-    dBu = delta[..., None] * B[:, :, None, :] * u[..., None]  # (b, L, d, N)
+    dBu = (delta * u)[..., None] * B[:, :, None, :]  # (b, L, d, N): one broadcast product
     if parallel:
         from mambapy.pscan import pscan
 
