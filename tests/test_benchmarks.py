@@ -24,9 +24,9 @@ def test_every_benchmark_records_its_output(script):
 @pytest.mark.e2e
 def test_a_benchmark_run_lands_in_its_folder(tmp_path):
     env = {**os.environ, "LOWRANK_RUN_ROOT": str(tmp_path / "runs"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "eagle_iterations.py"), "--n", "3"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "glvq_layouts.py"), "--out", "128", "--in", "256",
+                           "--repeats", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    (folder,) = (tmp_path / "runs" / "benchmarks" / "eagle_iterations").iterdir()
+    (folder,) = (tmp_path / "runs" / "benchmarks" / "glvq_layouts").iterdir()
     assert (folder / "output.md").read_text() == proc.stdout and proc.stdout.strip()
     assert (folder / "command.txt").read_text().startswith("python ")
