@@ -443,3 +443,44 @@ def test_must_show_masking_the_poisoning_expert_helps_on_equal_stage2_steps(equa
     runs = equal_steps["lope_noisy_stage2_full"]
     expect_verdict("holds", [r["test/acc"] for r in runs], [r["test/acc_unmasked"] for r in runs],
                    claim="LoPE mask > no mask (stage II 1000 steps)")
+
+
+#: stage-I forms of ours (not the paper's) meant to leave the task to the normal experts, each with stage II on the
+#: baselines' 1,000 steps: the config, and the measured outcome of "masking B_D > keeping it" (docs/methods/lope.md)
+STAGE1_FORMS = {
+    "noisy_only": ("lope_noisy_noisyonly", (
+        "does not hold; PEFT benchmark noisy variant, seeds 0-2, stage I on the HyNoIse copies alone, stage II 1,000 "
+        "steps: masked 75.7 (79.1 / 82.5 / 65.6) against unmasked 85.0 (87.7 / 89.6 / 77.7), difference -9.3 points, "
+        "95 % interval [-15.8, -2.8]; B_D alone 72.3 % after stage I")),
+    "shuffled": ("lope_noisy_shuffled", (
+        "does not hold; the same setting, the copies' labels shuffled in stage I: masked 71.3 (76.2 / 75.3 / 62.4) "
+        "against unmasked 84.9 (86.5 / 86.4 / 81.8), difference -13.6 points, 95 % interval [-26.2, -1.0]; B_D alone "
+        "74.4 % after stage I")),
+    "halfweight": ("lope_noisy_halfweight", (
+        "does not hold; the same setting, B_D at half weight in stage I: masked 73.2 (70.5 / 78.4 / 70.6) against "
+        "unmasked 89.1 (88.5 / 93.9 / 84.9), difference -15.9 points, 95 % interval [-20.6, -11.2]; B_D alone 74.4 % "
+        "after stage I")),
+}
+
+
+@pytest.fixture(scope="module")
+def stage1_forms(tmp_path_factory):
+    """The three stage-I forms over seeds 0-2 (``$LOWRANK_PEFT_BENCH_RUNS`` reuses a finished
+    ``lowrank sweep sweeps/peft_bench_lope_steps.yaml``)."""
+    from tests.helpers import peft_bench_runs
+
+    return peft_bench_runs(tuple(name for name, _ in STAGE1_FORMS.values()), tmp_path_factory.mktemp("stage1_forms"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", [pytest.param(form, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                                             reason=reason))
+                                  for form, (_, reason) in STAGE1_FORMS.items()])
+def test_must_show_masking_helps_with_a_stage1_form_of_ours(stage1_forms, form):
+    """A poisoning expert that holds noise rather than the task would make masking it help: masked > unmasked on
+    the same runs. None of the three forms does (B_D alone still classifies the clean test split after stage I)."""
+    from lowrank_lit.stats import expect_verdict
+
+    runs = stage1_forms[STAGE1_FORMS[form][0]]
+    expect_verdict("holds", [r["test/acc"] for r in runs], [r["test/acc_unmasked"] for r in runs],
+                   claim=f"LoPE mask > no mask, stage I {form}")
