@@ -370,7 +370,7 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
 
         assert self.model is not None and self.optimizer is not None and self.order is not None
         model, opt, k = self.model, self.optimizer, len(self.order)
-        if type(opt) is not torch.optim.Adam:  # one step on the stack equals K steps only for an elementwise rule
+        if type(opt) is not torch.optim.Adam or opt.param_groups[0].get("amsgrad"):  # the state stacked below
             return None
         names = {id(p): n for n, p in model.named_parameters()}
         keys = [names[id(p)] for p in self.params]
