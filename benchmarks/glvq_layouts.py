@@ -10,24 +10,18 @@ ms (the machine's noise hits medians more than minima), with the pieces of today
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from timing import recorded  # benchmarks/timing.py (the script folder is on sys.path)
+from timing import recorded, wall_times  # benchmarks/timing.py (the script folder is on sys.path)
 
 from lowrank_lit.methods.glvq import decode_groups
 
 
 def best(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+    """The fastest of ``repeats`` calls after one warm-up, in ms."""
+    return 1e3 * min(wall_times(fn, repeats, warmup=1))
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ def output_path(name: str) -> Path:
     return CURRENT[-1] / name
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
-    """Median wall time (s) of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls."""
+def wall_times(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
+    """Wall times (s) of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -33,7 +33,12 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 0) -> float:
+    """Median wall time (s) of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls."""
+    return statistics.median(wall_times(fn, repeats, warmup))
 
 
 
