@@ -374,7 +374,7 @@ class TRUST(_PseudoLabelMixin, TTAMethod):
             return None
         names = {id(p): n for n, p in model.named_parameters()}
         keys = [names[id(p)] for p in self.params]
-        rows = [self.get_params()] + [start["params"]] * (k - 1)  # the weights each traversal starts from
+        rows = [[p.detach() for p in self.params]] + [start["params"]] * (k - 1)  # each traversal's start (stacked below)
         first = opt.state_dict()["state"]
         moments = [first] + [start["optim"]["state"] if start["optim"] else {}] * (k - 1)  # {index: Adam state}
         if any(set(m) != set(first) for m in moments) or any(
