@@ -50,10 +50,8 @@ def test_two_runs_started_together_on_one_run_id_one_runs_alone_the_other_is_ref
             pairs[i] = [_start(tmp_path / f"pair{i}", *SLOW), _start(tmp_path / f"pair{i}", *SLOW)]
         for i, pair in pairs.items():
             outcomes[i] = [(p, *p.communicate(timeout=300)) for p in pair]
-        if solo_proc is not None:
-            _, err = solo_proc.communicate(timeout=300)
-            assert solo_proc.returncode == 0, err[-2000:]
-            solo_proc = None
+    _, err = solo_proc.communicate(timeout=300)
+    assert solo_proc.returncode == 0, err[-2000:]
     want = _files(solo / "runs" / "baseline" / "mlp_digits" / "X")
     assert CLAIM_FILE not in want and "checkpoints/last.ckpt" in want  # the claim is gone once the run ends
     for i, results in sorted(outcomes.items()):
