@@ -27,7 +27,7 @@ from typing import Any
 __all__ = [
     "run_directory", "may_write", "artifact_path", "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
     "debug_reason", "including_debug_runs", "markdown_table", "mean_std", "class_label", "new_figure", "save_figure",
-    "RunFilter", "only_runs_of", "config_classes", "group_runs", "NoMethodRuns",
+    "RunFilter", "only_runs_of", "config_classes", "group_runs", "NoMethodRuns", "keep_previous",
 ]
 
 
@@ -53,6 +53,22 @@ def may_write(trainer: Any | None) -> bool:
     if trainer is None or not trainer.is_global_zero or trainer.sanity_checking or trainer.fast_dev_run:
         return False
     return bool(trainer.loggers)
+
+
+def keep_previous(folder: str | os.PathLike, name: str) -> Path | None:
+    """Move an earlier attempt's ``<folder>/<name>`` (``metrics.csv``, ``config.yaml``) aside to ``<stem>.<n><suffix>``
+    with the first free ``n`` (``metrics.1.csv``, ``config.2.yaml``), so a re-entered run directory keeps every
+    attempt's file. Returns the new path, None when there was no such file. Called by the one process that writes."""
+    path = Path(folder) / name
+    if not path.is_file():
+        return None
+    stem, suffix = Path(name).stem, Path(name).suffix
+    n = 1
+    while (path.parent / f"{stem}.{n}{suffix}").exists():
+        n += 1
+    target = path.parent / f"{stem}.{n}{suffix}"
+    path.rename(target)
+    return target
 
 
 def artifact_path(trainer: Any, name: str) -> str:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import yaml
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from lowrank_lit.report import artifact_path, debug_reason
+from lowrank_lit.report import artifact_path, debug_reason, keep_previous
 
 __all__ = ["RunConfigCallback", "WANDB_CONFIG_FILE"]
 
@@ -26,7 +27,31 @@ class RunConfigCallback(SaveConfigCallback):
     logger (which already sits next to ``config.yaml``) receives the whole config once, as a
     nested mapping, through ``log_hyperparams``; W&B additionally stores ``config.yaml`` as the
     run file ``lowrank_config.yaml``. Modules call ``save_hyperparameters(logger=False)`` so that nothing is logged twice.
+
+    A resumed run (``resuming=True``) writes nothing until its checkpoint has loaded: ``config.yaml`` is written at
+    ``on_train_start`` and the earlier attempt's is kept as ``config.<n>.yaml``, so a resume refused while loading
+    leaves the run directory as it was.
+
+    Args:
+        resuming: this fit continues from a checkpoint (the CLI sets it); every other argument is Lightning's.
     """
+
+    def __init__(self, *args: Any, resuming: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resuming = resuming
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.resuming and stage == "fit":
+            return  # written once the checkpoint has loaded (on_train_start)
+        super().setup(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.resuming or self.already_saved:
+            return
+        if trainer.is_global_zero and self.save_to_log_dir:
+            keep_previous(os.path.dirname(artifact_path(trainer, self.config_filename)), self.config_filename)
+        self.resuming = False
+        super().setup(trainer, pl_module, "fit")
 
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))

@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lowrank_lit.report import artifact_path
 
-__all__ = ["ResumeCheckpoint", "RunInterrupted", "STOP_SIGNALS"]
+__all__ = ["ApplyResumeChanges", "ResumeCheckpoint", "RunInterrupted", "STOP_SIGNALS"]
 
 #: signals that stop a run at the next batch boundary with a checkpoint
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
@@ -316,3 +316,60 @@ class ResumeCheckpoint(Checkpoint):
 def _is_lightnings(handler: Any) -> bool:
     """True for the signal handler Lightning installs itself (its SLURM requeue handler)."""
     return type(handler).__module__.startswith("lightning.")
+
+
+class ApplyResumeChanges(Callback):
+    """Apply a resume's changed optimizer hyperparameters to the restored optimizers (``--resume_changes=apply``).
+
+    Restoring a checkpoint loads each optimizer's ``state_dict``, whose param groups carry the hyperparameters the run
+    was trained with (``lr``, ``weight_decay``, ``betas``, ...), and each scheduler's ``base_lrs``. This callback
+    records the values the resumed config built (``on_fit_start``, after the optimizers exist and before the
+    checkpoint's training state is loaded) and sets them again once it is loaded (``on_train_start``). A learning rate
+    under a scheduler keeps its place in the schedule: the restored rate is scaled by new base / old base. Each value
+    it changes is printed once (rank 0).
+
+    Used by ``lowrank fit ... --ckpt_path ... --resume_changes=apply``
+    (:mod:`lowrank_lit.launch.resume_contract`); in your own code, add it to a ``Trainer`` that resumes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._built: list[list[dict[str, Any]]] = []
+        self._base_lrs: list[list[float] | None] = []
+        #: ``"optimizer 0, group 0: lr 0.001 -> 0.5"`` for every value set
+        self.applied: list[str] = []
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._built = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                       for opt in trainer.optimizers]
+        self._base_lrs = [list(getattr(cfg.scheduler, "base_lrs", []) or []) or None for cfg in trainer.lr_scheduler_configs]
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        scheduled = {id(opt) for cfg in trainer.lr_scheduler_configs for opt in [cfg.scheduler.optimizer]}
+        for i, (opt, built) in enumerate(zip(trainer.optimizers, self._built, strict=False)):
+            for j, (group, new) in enumerate(zip(opt.param_groups, built, strict=False)):
+                for key, value in new.items():
+                    old = group.get(key)
+                    if key == "initial_lr" or _same(old, value):
+                        continue
+                    if key == "lr" and id(opt) in scheduled and "initial_lr" in group and group["initial_lr"]:
+                        value = group["lr"] * float(new.get("initial_lr", value)) / float(group["initial_lr"])
+                    group[key] = value
+                    self.applied.append(f"optimizer {i}, group {j}: {key} {old} -> {value}")
+                if "initial_lr" in new and not _same(group.get("initial_lr"), new["initial_lr"]):
+                    group["initial_lr"] = new["initial_lr"]
+        for cfg, base in zip(trainer.lr_scheduler_configs, self._base_lrs, strict=False):
+            if base is not None and list(cfg.scheduler.base_lrs) != base:
+                self.applied.append(f"scheduler {type(cfg.scheduler).__name__}: base_lrs {list(cfg.scheduler.base_lrs)} -> {base}")
+                cfg.scheduler.base_lrs = list(base)
+        if trainer.is_global_zero:
+            what = "; ".join(self.applied) if self.applied else "no optimizer hyperparameter differs"
+            print(f"resume applies the changed config: {what}", flush=True)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)

@@ -360,6 +360,9 @@ KNOWN_NOISE = (
     # Lightning's device summary on stderr at every Trainer: the run's start lines on stdout say what it runs on
     # (``devices: ...``), so a command refused at setup prints its one error line only
     "GPU available: ", "TPU available: ", "HPU available: ",
+    # Lightning's lines around loading a resumed checkpoint: the run prints "resumed at step N" itself, and a checkpoint
+    # refused while loading prints its one error line only
+    "Restoring states from the checkpoint path at ", "Restored all states from the checkpoint at ",
 )
 
 

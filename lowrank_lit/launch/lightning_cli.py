@@ -39,12 +39,12 @@ from lowrank_lit.launch.checks import (
     stdout_is_terminal,
     wandb_online_allowed,
 )
+from lowrank_lit.launch.resume_contract import RESUME_CHANGES, ResumeChanges, check_resume
 from lowrank_lit.launch.run_dir import (
     CLAIM_FILE,
     ENV_RUN_DIR,
     RunDir,
     RunDirError,
-    keep_previous_metrics,
     newest_checkpoint,
     release_claims,
     resolve_run_dir,
@@ -96,6 +96,7 @@ class LowrankCLI(LightningCLI):
         from lightning.fabric.utilities.seed import seed_everything
 
         config_seed = self._get(self.config, "seed_everything")
+        self._random_seed = config_seed is True  # a resume takes the seed its run was trained with
         if config_seed is False:
             return
         config_seed = seed_everything(None if config_seed is True else config_seed, workers=True, verbose=False)
@@ -110,6 +111,10 @@ class LowrankCLI(LightningCLI):
         sub = self.config.get("subcommand")
         if sub and os.path.exists(str(self.config[sub].get("ckpt_path") or "")):  # a missing one: check_input_files
             self._check_ckpt_path(self.config[sub])
+        if sub == "fit":
+            # Lightning would overwrite the command line's model arguments with the checkpoint's hyperparameters (a
+            # change ignored without a word); a resume compares the two configs instead (resume_contract)
+            return
         super()._parse_ckpt_path()
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -149,6 +154,15 @@ class LowrankCLI(LightningCLI):
             default=0,
             help="Also write checkpoints/last.ckpt every this many optimizer steps (it is always written at every "
             "epoch end and when the run is interrupted by SIGINT, SIGTERM or SIGUSR1). 0: epoch ends only.",
+        )
+        parser.add_argument(
+            "--resume_changes",
+            type=ResumeChanges,
+            default="refuse",
+            help="What a resume (--ckpt_path) does with a config that differs from the one its checkpoint was trained "
+            f"with ({', '.join(RESUME_CHANGES)}): refuse lists the keys in one line; apply builds the new config, loads "
+            "the checkpoint into it and sets the new optimizer hyperparameters on the restored optimizer. Keys that may "
+            "always change (epochs, logging, devices, ...): docs/cli.md.",
         )
         parser.add_argument(
             "--test_after_fit",
@@ -232,15 +246,46 @@ class LowrankCLI(LightningCLI):
             if self.subcommand == "fit":
                 self._resume_point(cfg, run_dir, reuse=not getattr(self, "_run_id_given", True))
             self._check_ckpt_path(cfg)
+            if self.subcommand == "fit":
+                self._resume_contract(cfg, run_dir)
         except BaseException:
             self._remove_if_unstarted(run_dir)
             raise
-        if run_dir.resumed and is_rank_zero():  # accepted: only now is the previous attempt's metrics.csv moved aside
-            keep_previous_metrics(run_dir.path)
         if is_rank_zero():
             seed = cfg.get("seed_everything")
             print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else "")
                   + (f" (seed {seed})" if seed is not False and seed is not None else ""), flush=True)
+
+    def _resume_contract(self, cfg: Namespace, run_dir: RunDir) -> None:
+        """A fit that loads a checkpoint runs the config that checkpoint was trained with, up to the keys that may
+        change (:mod:`~lowrank_lit.launch.resume_contract`); other changes are refused in one line, or applied with
+        ``--resume_changes=apply``. Nothing is written before: config.yaml and metrics.csv of the run directory are
+        kept (as ``config.<n>.yaml``, ``metrics.<n>.csv``) only once the checkpoint has loaded."""
+        import yaml
+
+        path = cfg.get("ckpt_path")
+        self._resuming = bool(path) and os.path.isfile(str(path))
+        if not self._resuming:
+            return
+        own = os.path.abspath(str(path)).startswith(os.path.abspath(run_dir.path) + os.sep)
+        from lowrank_lit.launch.resume_contract import saved_config_path
+
+        saved = saved_config_path(str(path))
+        if getattr(self, "_random_seed", False) and saved is not None:  # `true` drew a new seed: take the run's
+            try:
+                seed = (yaml.safe_load(saved.read_text()) or {}).get("seed_everything")
+            except (OSError, yaml.YAMLError):
+                seed = None
+            if isinstance(seed, int) and not isinstance(seed, bool):
+                cfg.seed_everything = seed
+        new = yaml.safe_load(self._parser(self.subcommand).dump(cfg, skip_none=False, skip_check=True)) or {}
+        mode = cfg.get("resume_changes") or "refuse"
+        changes = check_resume(str(path), new, own_run=own, mode=mode)
+        self._apply_changes = mode == "apply"
+        self.save_config_kwargs = {**self.save_config_kwargs, "resuming": True}
+        if changes and is_rank_zero():
+            print(f"--resume_changes=apply: {len(changes)} key(s) differ from the checkpoint's config and apply: "
+                  + "; ".join(map(str, changes)), flush=True)
 
     @staticmethod
     def _check_ckpt_path(cfg: Namespace) -> None:
@@ -354,6 +399,10 @@ class LowrankCLI(LightningCLI):
         """
         try:
             super().instantiate_classes()
+            if getattr(self, "_apply_changes", False):
+                from lowrank_lit.callbacks.resume import ApplyResumeChanges
+
+                self.trainer.callbacks.append(ApplyResumeChanges())
             cfg = self.config[self.subcommand] if self.subcommand else self.config
             for key, template in getattr(self, "_templates", {}).items():
                 cfg[key] = template  # config.yaml keeps the template: the seeds of a sweep stay one experiment
@@ -379,12 +428,26 @@ class LowrankCLI(LightningCLI):
             from lightning.fabric.utilities.exceptions import MisconfigurationException
 
             root = _root_cause(exc)
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            if getattr(self, "_resuming", False) and not self._restored():
+                # the checkpoint did not load into what the config builds: one line, and the run directory untouched
+                if self.run_dir is not None and is_rank_zero():
+                    self._remove_if_unstarted(self.run_dir)
+                detail = "; ".join(ln.strip() for ln in str(root).splitlines()[:3] if ln.strip())
+                raise ConfigError(f"--ckpt_path={str(cfg.get('ckpt_path'))!r} does not load into what this config builds "
+                                  f"({type(root).__name__}: {detail[:300]}); resume with the config it was trained with "
+                                  "(its run's config.yaml)") from exc
             if not isinstance(root, (ValueError, OSError, MisconfigurationException)) or self._batches_done():
                 raise
-            cfg = self.config[self.subcommand] if self.subcommand else self.config
             if self.run_dir is not None and is_rank_zero():
                 self._remove_if_unstarted(self.run_dir)
             raise ConfigError(setup_error(root, cfg)) from exc
+
+    def _restored(self) -> bool:
+        """Whether fit got past loading its checkpoint (the training loop started)."""
+        trainer = getattr(self, "trainer", None)
+        tracker = next((c for c in trainer.callbacks if isinstance(c, _LastValidation)), None) if trainer else None
+        return tracker is None or tracker.train_started
 
     def _batches_done(self) -> int:
         """Batches any loop of this trainer has finished (0: the run failed while it was being set up)."""
@@ -421,7 +484,9 @@ class LowrankCLI(LightningCLI):
         entries = [] if value in (None, True) else list(value) if isinstance(value, list) else [value]
         csv = [e for e in entries if issubclass(import_dotted(e.class_path), CSVLogger)]
         if not csv:
-            csv = [Namespace(class_path="lightning.pytorch.loggers.CSVLogger", init_args=Namespace())]
+            csv = [Namespace(class_path="lowrank_lit.loggers.CSVLogger", init_args=Namespace())]
+        elif import_dotted(csv[0].class_path) is CSVLogger:  # Lightning's: ours keeps an earlier metrics.csv
+            csv[0].class_path = "lowrank_lit.loggers.CSVLogger"
         others = [e for e in entries if e not in csv]
         # CSV first: trainer.log_dir (config.yaml) and checkpoints/ then live in the run directory itself
         csv[0].init_args.update(Namespace(save_dir=str(run_dir.path), name="", version=""))
@@ -451,10 +516,15 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 class _LastValidation(pl.Callback):
-    """Records the global step of the last validation run inside fit (sanity check excluded)."""
+    """Records the global step of the last validation run inside fit (sanity check excluded), and whether training
+    started (after a resumed checkpoint loaded)."""
 
     def __init__(self) -> None:
         self.step = -1
+        self.train_started = False  # on_train_start: a checkpoint fit resumes from has loaded by then
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.train_started = True
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":

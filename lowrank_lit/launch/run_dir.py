@@ -228,16 +228,11 @@ atexit.register(release_claims)
 
 
 def keep_previous_metrics(path: Path) -> None:
-    """Lightning's CSVLogger deletes an existing ``metrics.csv``; move it to ``metrics.<n>.csv`` first.
+    """Lightning's CSVLogger deletes an existing ``metrics.csv``; move it to ``metrics.<n>.csv`` first (the CSV logger
+    of every ``lowrank`` run, :class:`lowrank_lit.loggers.CSVLogger`, does so at its first save)."""
+    from lowrank_lit.report import keep_previous
 
-    Called once a re-entry is accepted (a refused one touches nothing), by the first process only.
-    """
-    metrics = path / "metrics.csv"
-    if metrics.is_file():
-        n = 1
-        while (path / f"metrics.{n}.csv").exists():
-            n += 1
-        metrics.rename(path / f"metrics.{n}.csv")
+    keep_previous(path, "metrics.csv")
 
 
 def resolve_run_dir(run_root: str | os.PathLike, experiment: str, run_id: str | None = None,

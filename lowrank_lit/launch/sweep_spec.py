@@ -242,7 +242,7 @@ def overrides_to_args(overrides: dict[str, Any]) -> list[str]:
 #: top-level keys of ``lowrank fit`` (tests/test_sweeps.py keeps this equal to the real parser's)
 TOP_LEVEL_KEYS = (
     "seed_everything", "trainer", "model", "data", "ckpt_path", "experiment", "run_root", "run_id",
-    "test_after_fit", "checkpoint_every_n_steps", "weights_only", "run",
+    "test_after_fit", "checkpoint_every_n_steps", "weights_only", "run", "resume_changes",
 )
 
 
