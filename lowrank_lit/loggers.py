@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger as _LightningCSVLogger
@@ -15,18 +16,65 @@ from lowrank_lit.report import keep_previous
 __all__ = ["CSVLogger", "WandbLogger"]
 
 
-class WandbLogger(_LightningWandbLogger):
-    """Lightning's :class:`~lightning.pytorch.loggers.WandbLogger`, minus the ``anonymous`` setting.
+#: seconds an online W&B run waits for the server before it goes on offline (``LOWRANK_WANDB_INIT_TIMEOUT`` overrides)
+WANDB_INIT_TIMEOUT = 30.0
 
-    Lightning always passes ``anonymous=None`` to ``wandb.init``, and W&B (0.19 and newer) answers every
-    run with "The anonymous setting has no effect and will be removed". This class passes it only when
-    you set it. Every argument is Lightning's.
+
+def wandb_init_timeout() -> float:
+    """The bounded wait of an online W&B start: ``LOWRANK_WANDB_INIT_TIMEOUT`` seconds (a number > 0), default
+    :data:`WANDB_INIT_TIMEOUT`."""
+    text = os.environ.get("LOWRANK_WANDB_INIT_TIMEOUT", "")
+    try:
+        value = float(text) if text else WANDB_INIT_TIMEOUT
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"LOWRANK_WANDB_INIT_TIMEOUT={text!r}; allowed: a number of seconds > 0")
+    return value
+
+
+class WandbLogger(_LightningWandbLogger):
+    """Lightning's :class:`~lightning.pytorch.loggers.WandbLogger` that never stops a run for want of a network.
+
+    * An online start waits at most :func:`wandb_init_timeout` seconds for the W&B server (W&B's ``init_timeout``
+      setting, unless you pass ``settings``). When the server cannot be reached (a SLURM compute node without a route
+      out, a proxy, an outage), the run goes on offline: one line on stderr says so and gives the ``wandb sync``
+      command that uploads it later. The W&B run keeps its id, so the synced run is the same run.
+    * Lightning always passes ``anonymous=None`` to ``wandb.init``, and W&B (0.19 and newer) answers every
+      run with "The anonymous setting has no effect and will be removed". This class passes it only when
+      you set it.
+
+    Every argument is Lightning's.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self._wandb_init.get("anonymous") is None:
             self._wandb_init.pop("anonymous", None)
+
+    @property
+    def experiment(self) -> Any:
+        if self._experiment is not None or self._offline or getattr(rank_zero_only, "rank", 0) != 0:
+            return super().experiment
+        import wandb
+
+        if "settings" not in self._wandb_init:
+            self._wandb_init["settings"] = wandb.Settings(init_timeout=wandb_init_timeout())
+        try:
+            return super().experiment
+        except (wandb.errors.CommError, wandb.errors.UsageError, TimeoutError, ConnectionError) as exc:
+            detail = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+            wandb.teardown()  # the failed start still holds the run id
+            self._experiment = None
+            self._offline = True
+            self._wandb_init["mode"] = "offline"
+            self._wandb_init.pop("settings", None)
+            folder = os.path.join(self._save_dir or ".", "wandb")
+            server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+            print(f"W&B: no online run at {server} (waited at most {wandb_init_timeout():g} s: {detail[:160]}); this run "
+                  f"logs offline to {folder}; upload it later with: wandb sync {folder}/offline-run-*", file=sys.stderr,
+                  flush=True)
+            return super().experiment
 
 
 class _KeepingWriter(ExperimentWriter):
@@ -63,7 +111,7 @@ class CSVLogger(_LightningCSVLogger):
 
     @property
     def experiment(self) -> Any:
-        if self._experiment is None and rank_zero_only.rank == 0:
+        if self._experiment is None and getattr(rank_zero_only, "rank", 0) == 0:
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _KeepingWriter(log_dir=self.log_dir)
         return super().experiment

@@ -97,7 +97,9 @@ def test_interrupted_mid_epoch_resumes_bit_identical(name, tmp_path, monkeypatch
     stopped = _last(tmp_path / "part")
     assert stopped["epoch"] == 1 and 0 < stopped["global_step"] < reference["global_step"], (stopped["epoch"], stopped["global_step"])
     run = run_dirs(tmp_path / "part")[0]
-    assert run_cli(*args, "--run_id", run.name, "--ckpt_path", "last", run_root=tmp_path / "part") == 0
+    # the command the interruption prints: the same config (its stop callback included), the run id, --ckpt_path last
+    assert run_cli(*args, "--config", _fragment(tmp_path), "--run_id", run.name, "--ckpt_path", "last",
+                   run_root=tmp_path / "part") == 0
     resumed = _last(tmp_path / "part")
     assert resumed["global_step"] == reference["global_step"]
     assert set(resumed["state_dict"]) == set(reference["state_dict"])

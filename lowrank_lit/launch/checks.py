@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 from lowrank_lit.argtypes import input_path_args
 
 __all__ = [
-    "LIGHTNING_COMMANDS", "ConfigError", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
+    "LIGHTNING_COMMANDS", "ConfigError", "YamlFileError", "load_yaml", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed", "RunSpec", "NEEDS", "ConfigHeader", "config_header",
     "resolve_path_templates", "import_dotted",
@@ -502,25 +502,81 @@ def yaml_syntax_error(path: str | os.PathLike, exc: Exception) -> str:
     return f"{os.fspath(path)}:{where}: YAML syntax error: {problem}"
 
 
-def config_file_error(files: Sequence[str]) -> str | None:
-    """One line for the first ``--config`` that is not a readable YAML file (missing, a folder, a syntax error with
-    its file, line and column), else None. Reads the files as text only: no Lightning, no torch."""
+class YamlFileError(ValueError):
+    """A YAML file a command reads that cannot be used as it is; the message is one line naming the file (and line)."""
+
+
+def _strict_loader() -> type:
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the later one without a word)."""
     import yaml
 
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class StrictLoader(base):  # type: ignore[misc, valid-type]
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                self.flatten_mapping(node)
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.get(key)
+                    except TypeError:  # an unhashable key: PyYAML's own error follows
+                        continue
+                    line = key_node.start_mark.line + 1
+                    if first is not None:
+                        raise YamlFileError(f"line {line}: key {key!r} is given twice in one mapping (first at line "
+                                            f"{first}); YAML would keep only the later value: remove one")
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def load_yaml(path: str | os.PathLike, what: str, mapping: bool = True) -> Any:
+    """Read a YAML file a command was given: one line naming ``what`` (the argument, e.g. ``--config``) and the file
+    for a missing file, a folder, a syntax error (line and column), a key given twice in one mapping (both lines), and,
+    with ``mapping``, an empty file or one that holds a list or a scalar instead of a mapping.
+
+    Raises:
+        YamlFileError: the one line.
+    """
+    import yaml
+
+    p = Path(path)
+    name = os.fspath(path)
+    if p.is_dir():
+        example = next(iter(sorted(p.glob("*.yaml"))), None)
+        hint = f", e.g. {what} {example}" if example else ""
+        raise YamlFileError(f"{what}: {name!r} is a folder; allowed: a YAML file{hint}")
+    if not p.is_file():
+        raise YamlFileError(f"{what}: file {name!r} does not exist")
+    try:
+        data = yaml.load(p.read_text(), Loader=_strict_loader())  # noqa: S506 - a safe loader
+    except YamlFileError as exc:
+        raise YamlFileError(f"{what}: {name}: {exc}") from None
+    except yaml.MarkedYAMLError as exc:
+        raise YamlFileError(f"{what}: {yaml_syntax_error(name, exc)}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        raise YamlFileError(f"{what}: {name}: not a readable YAML file ({first_line(exc)})") from None
+    if mapping and data is None:
+        raise YamlFileError(f"{what}: {name} is empty; allowed: a YAML mapping of keys (e.g. trainer:, model:, data:)")
+    if mapping and not isinstance(data, dict):
+        kind = "list" if isinstance(data, list) else f"{type(data).__name__} ({str(data)[:40]!r})"
+        raise YamlFileError(f"{what}: {name}: line 1: the file holds a YAML {kind}; allowed: a mapping of keys "
+                            "(e.g. trainer:, model:, data:)")
+    return data
+
+
+def config_file_error(files: Sequence[str]) -> str | None:
+    """One line for the first ``--config`` that is not a readable YAML mapping (missing, a folder, a syntax error with
+    its file, line and column, a duplicated key, empty, a list), else None. Reads the files as text only: no
+    Lightning, no torch."""
     for f in files:
-        path = Path(f)
-        if path.is_dir():
-            example = next(iter(sorted(path.glob("*.yaml"))), None)
-            hint = f", e.g. --config {example}" if example else ""
-            return f"--config: {f!r} is a folder; allowed: a YAML config file{hint}"
-        if not path.is_file():
-            return f"--config: file {f!r} does not exist"
         try:
-            yaml.safe_load(path.read_text())
-        except yaml.MarkedYAMLError as exc:
-            return f"--config: {yaml_syntax_error(f, exc)}"
-        except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
-            return f"--config: {f}: not a readable YAML file ({first_line(exc)})"
+            load_yaml(f, "--config")
+        except YamlFileError as exc:
+            return str(exc)
     return None
 
 

@@ -172,8 +172,15 @@ class LowrankCLI(LightningCLI):
         )
 
     def after_instantiate_classes(self) -> None:
-        """Say what the run runs on (Lightning's own "GPU available" lines are silenced: they went to stderr)."""
+        """Say where the run writes and what it runs on, once its classes are built (Lightning's own "GPU available"
+        lines are silenced: they went to stderr)."""
         super().after_instantiate_classes()
+        run_dir = self.run_dir
+        if run_dir is not None and is_rank_zero():  # only now: a class that refuses its arguments names no run
+            cfg = self.config[self.subcommand] if self.subcommand else self.config
+            seed = cfg.get("seed_everything")
+            print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else "")
+                  + (f" (seed {seed})" if seed is not False and seed is not None else ""), flush=True)
         trainer = getattr(self, "trainer", None)
         if trainer is not None and is_rank_zero() and self.subcommand is not None:
             kind = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower()
@@ -251,10 +258,6 @@ class LowrankCLI(LightningCLI):
         except BaseException:
             self._remove_if_unstarted(run_dir)
             raise
-        if is_rank_zero():
-            seed = cfg.get("seed_everything")
-            print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else "")
-                  + (f" (seed {seed})" if seed is not False and seed is not None else ""), flush=True)
 
     def _resume_contract(self, cfg: Namespace, run_dir: RunDir) -> None:
         """A fit that loads a checkpoint runs the config that checkpoint was trained with, up to the keys that may

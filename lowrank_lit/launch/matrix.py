@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from lowrank_lit.launch.checks import YamlFileError, load_yaml
 from lowrank_lit.launch.verbs import PassThrough, Typed
 
 __all__ = ["Grid", "GridError", "load_grid", "merge_fragments", "prepare", "check_cells", "collect", "main"]
@@ -129,7 +130,10 @@ def _fragment(grid_path: Path, axis: str, name: str, spec: Any) -> dict[str, Any
         found = next((p for p in candidates if p.is_file()), None)
         if found is None:
             raise GridError(f"{grid_path}: axes.{axis}.{name}: fragment file {spec!r} does not exist")
-        spec = yaml.safe_load(found.read_text()) or {}
+        try:
+            spec = load_yaml(found, f"{grid_path}: axes.{axis}.{name}")
+        except YamlFileError as exc:
+            raise GridError(str(exc)) from None
     if not isinstance(spec, dict):
         raise GridError(f"{grid_path}: axes.{axis}.{name}: a fragment is a mapping or a file name, not {spec!r}")
     return _nest(spec)
@@ -144,7 +148,10 @@ def load_grid(path: str | os.PathLike) -> Grid:
     path = Path(path)
     if not path.is_file():
         raise GridError(f"--grid: {str(path)!r} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = load_yaml(path, "--grid")
+    except YamlFileError as exc:
+        raise GridError(str(exc)) from None
     axes = raw.get("axes")
     if not isinstance(axes, dict) or not axes or not all(isinstance(c, dict) and c for c in axes.values()):
         raise GridError(f"{path}: axes must map each axis name to a non-empty mapping of components")

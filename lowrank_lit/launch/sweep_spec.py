@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from lowrank_lit.launch.checks import yaml_syntax_error
+from lowrank_lit.launch.checks import YamlFileError, load_yaml
 
 __all__ = ["METHODS", "GOALS", "DISTRIBUTIONS", "ARGS_MACRO", "CONFIG_KEY", "SweepError", "SweepSpec", "load_sweep",
            "make_pruner", "format_value", "overrides_to_args", "TOP_LEVEL_KEYS", "static_check", "check_keys",
@@ -112,9 +110,9 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     if not path.is_file():
         raise SweepError(f"sweep file {str(path)!r} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise SweepError(yaml_syntax_error(path, exc)) from None
+        raw = load_yaml(path, "sweep file", mapping=False) or {}
+    except YamlFileError as exc:
+        raise SweepError(str(exc)) from None
     if not isinstance(raw, dict):
         raise _fail(path, "not a sweep file (a W&B sweep file is a mapping with method, metric and parameters)")
     method = raw.get("method")
@@ -280,7 +278,10 @@ def static_check(spec: SweepSpec) -> list[str]:
     for f in files:
         if not Path(f).is_file():
             raise _fail(spec.path, f"command: --config file {f!r} does not exist")
-        composed = _merge(composed, yaml.safe_load(Path(f).read_text()) or {})
+        try:
+            composed = _merge(composed, load_yaml(f, "--config"))
+        except YamlFileError as exc:
+            raise _fail(spec.path, f"command: {exc}") from None
     notes = []
     for key in spec.parameters:
         if key == CONFIG_KEY:

@@ -50,7 +50,7 @@ from torch import nn
 from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.linalg import entropy_rank
 from lowrank_lit.nn.lowrank_linear import svd_factorize
-from lowrank_lit.nn.targets import match_modules, replace_module
+from lowrank_lit.nn.targets import match_modules, module_copy, replace_module
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import (
     artifact_path,
@@ -552,8 +552,6 @@ class TruncationEval(Callback):
 
     @torch.no_grad()
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> list[dict[str, float]]:
-        import copy
-
         datamodule = trainer.datamodule
         if datamodule is None:
             raise ValueError("TruncationEval needs a LightningDataModule with a test_dataloader")
@@ -564,7 +562,7 @@ class TruncationEval(Callback):
         full = _params_of(pl_module, names)
         rows = []
         for rho in self.keep_fractions:
-            model = truncate(copy.deepcopy(pl_module).eval(), rho, patterns)
+            model = truncate(module_copy(pl_module).eval(), rho, patterns)
             correct = total = 0
             for i, (x, y) in enumerate(loader):
                 if trainer.fast_dev_run and i >= 1:  # smoke runs: one batch per keep fraction

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ModuleMatch", "match_modules", "match_names", "replace_module", "split_pattern"]
+__all__ = ["ModuleMatch", "match_modules", "match_names", "module_copy", "replace_module", "split_pattern"]
 
 _SLICES_RE = re.compile(r"^(?P<pattern>.+)\[(?P<n>\d+)\]$")
 
@@ -129,3 +129,21 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
         raise ValueError(f"replace_module: {name!r} is a {type(old).__name__}, not a module")
     setattr(parent, child, new)
     return old
+
+
+def module_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` that does not copy the Lightning ``Trainer`` it is attached to (the copy has none).
+
+    ``copy.deepcopy`` of a ``LightningModule`` follows ``module._trainer``: the whole trainer (loggers, data loaders,
+    callbacks) is copied, and under DDP the process group holds thread locks, which cannot be copied at all. Every
+    submodule's trainer reference is left out the same way. For what evaluates a changed copy of a trained model
+    (truncated, quantized) after ``fit``.
+    """
+    import copy
+
+    memo: dict[int, object] = {}
+    for sub in module.modules():
+        trainer = sub.__dict__.get("_trainer")
+        if trainer is not None:
+            memo[id(trainer)] = None
+    return copy.deepcopy(module, memo)
