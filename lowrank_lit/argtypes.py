@@ -13,6 +13,9 @@ LightningCLI (jsonargparse) reads these from a class's signature:
   signature), not while parsing, so ``--print_config`` of a config that reads your data still works where the data
   is not.
 
+* :class:`Seed` (an integer in 0..2**32 - 1) and :class:`Fraction` (a number in (0, 1]) are registered the same way,
+  for the numeric options of ``lowrank``'s own verbs as well as for init arguments.
+
 Python callers that build a class directly keep the class's own check (``ValueError`` naming the argument).
 """
 
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from jsonargparse.typing import register_type
 
-__all__ = ["LearningRate", "InputPath", "YOU_BRING", "YouBring", "input_path_args"]
+__all__ = ["LearningRate", "Seed", "Fraction", "SEED_MAX", "InputPath", "YOU_BRING", "YouBring", "input_path_args"]
 
 
 class YouBring:
@@ -55,6 +58,43 @@ def _learning_rate(value: Any) -> float:
 
 register_type(LearningRate, serializer=float, deserializer=_learning_rate,
               type_check=lambda v, t: isinstance(v, int | float) and not isinstance(v, bool) and v > 0)
+#: the largest seed (NumPy's and Lightning's seeds are unsigned 32-bit integers)
+SEED_MAX = 2**32 - 1
+
+
+def _register_number(cls: type, base: type, ok: Any, allowed: str) -> None:
+    """Register ``cls`` (a subclass of ``int`` or ``float``) as a parser type that refuses a value failing ``ok`` with
+    "allowed: ..." (the one-line errors name the argument and repeat this); the class receives a plain number."""
+
+    def parse(value: Any) -> Any:
+        number: Any = None
+        if not isinstance(value, bool):
+            try:
+                number = base(value) if base is float or isinstance(value, int) else int(str(value), 10)
+            except (TypeError, ValueError):
+                number = None
+        if number is None or number != number or not ok(number):
+            raise ValueError(f"allowed: {allowed}")
+        return number
+
+    register_type(cls, serializer=base, deserializer=parse,
+                  type_check=lambda v, t: isinstance(v, int | float) and not isinstance(v, bool) and ok(v))
+
+
+if TYPE_CHECKING:
+    Seed = int
+    Fraction = float
+else:
+    class Seed(int):
+        """A random seed: an integer in 0..2**32 - 1 (the parser gives a plain int)."""
+
+    class Fraction(float):
+        """A share of something kept: a number in (0, 1] (the parser gives a plain float)."""
+
+_register_number(Seed, int, lambda v: 0 <= v <= SEED_MAX, f"an integer in 0..{SEED_MAX} (a seed)")
+_register_number(Fraction, float, lambda v: 0 < v <= 1, "a number in (0, 1] (a fraction)")
+
+
 #: a path to a file or folder the user brings
 InputPath = Annotated[str, YOU_BRING]
 

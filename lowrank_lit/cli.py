@@ -225,6 +225,10 @@ def cmd_convert(model: Literal["vmamba"], *, src: str, out: str, depths: list[in
         out: where to write the converted state dict (refused if it exists)
         depths: blocks per stage (VMamba-T: 2 2 8 2)
     """
+    if not depths or any(d < 1 for d in depths):
+        print(f"lowrank convert: error: --depths={' '.join(map(str, depths))}; allowed: one integer >= 1 per stage "
+              "(VMamba-T: 2 2 8 2)", file=sys.stderr)
+        return 2
     if not Path(src).is_file():
         print(f"lowrank convert: error: --src: file {src!r} does not exist", file=sys.stderr)
         return 2

@@ -287,6 +287,12 @@ def _is_torch_optimizer(cls: type) -> bool:
     return issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.")
 
 
+def _cuda_visible() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def check_values(cfg: Any, subcommand: str | None = None) -> None:
     """Values that would fail only after the run started, or fail with a message that names no argument: checked
     before a run directory exists.
@@ -296,7 +302,9 @@ def check_values(cfg: Any, subcommand: str | None = None) -> None:
       (our own learning rates are typed :data:`~lowrank_lit.argtypes.LearningRate` and refused while parsing);
     * the ``lr`` of a torch optimizer (``torch.optim.AdamW``, which types it ``float | Tensor``) is > 0;
     * ``trainer.max_epochs`` / ``trainer.max_steps`` are -1 (no limit) or >= 0, and not 0 for ``fit`` (``subcommand``);
-    * a config that asks for a GPU (``trainer.accelerator: gpu``/``cuda``) runs where one is visible.
+    * a config that asks for a GPU (``trainer.accelerator: gpu``/``cuda``) runs where one is visible;
+    * ``trainer.precision`` 16-mixed runs on a GPU (on the CPU Lightning would run bf16-mixed instead, while the
+      run's config said 16-mixed).
 
     Raises:
         ConfigError: one line naming the argument, its value and what is allowed.
@@ -310,6 +318,11 @@ def check_values(cfg: Any, subcommand: str | None = None) -> None:
             raise ConfigError(f"trainer.accelerator={accel!r}, but no GPU is visible here "
                               "(torch.cuda.is_available() is False); allowed here: cpu or auto "
                               "(--trainer.accelerator=cpu, or rehearse the config: pytest -m rehearsal)")
+    precision = str(trainer.get("precision") if trainer is not None else None)
+    if precision in ("16-mixed", "16") and (accel == "cpu" or (accel in ("", "auto") and not _cuda_visible())):
+        # Lightning would run bf16-mixed instead while config.yaml and every summary said 16-mixed
+        raise ConfigError(f"trainer.precision={precision!r} needs a GPU (float16 autocast); on the CPU allowed: "
+                          "32-true, 64-true, bf16-mixed, bf16-true")
     for prefix, cls in _class_args(cfg):
         for arg in input_path_args(cls):  # typed InputPath: a file or folder the user brings
             key = f"{prefix}.{arg}"
@@ -482,6 +495,8 @@ def one_line_error(exc: BaseException, parser: Any = None) -> str:
         got = nested.group(1)
     if key_parts and (m := next((r for ln in lines if (r := _RESTRICTED_RE.search(ln))), None)):  # PositiveInt, ...
         said = m.group(2)  # a type of ours (lowrank_lit.argtypes) says what it allows itself
+        if got is None and (conform := re.match(r"(.+) does not conform to restriction", said)):
+            got = conform.group(1)
         allowed = said.removeprefix("allowed: ") if said.startswith("allowed: ") else _RESTRICTED.get(
             m.group(1), f"{m.group(1)} ({said})")
         given = f"={got!r}" if got is not None else ""

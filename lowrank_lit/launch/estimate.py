@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from jsonargparse.typing import PositiveFloat
 
 from lowrank_lit.launch.verbs import PassThrough
 
@@ -228,7 +229,7 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
                           notes)
 
 
-def main(*, gpu_memory: float = 80.0, flags: PassThrough = []) -> int:  # noqa: B006
+def main(*, gpu_memory: PositiveFloat = 80.0, flags: PassThrough = []) -> int:  # noqa: B006
     """Memory per GPU of a config at full size, computed on the meta device (weights, gradients, optimizer state,
     DDP buckets, activations): ``lowrank estimate --config C.yaml [--config more.yaml] [--key=value ...]``.
 

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lowrank_lit.argtypes import Fraction
 from lowrank_lit.artifacts import (
     META,
     ArtifactError,
@@ -404,7 +405,7 @@ def _size(n: int) -> str:
 
 
 def main_export(*, ckpt_path: str, out: str, format: Format = "native", config: str | None = None,  # noqa: A002
-                keep: float | None = None, targets: list[str] | None = None) -> int:
+                keep: Fraction | None = None, targets: list[str] | None = None) -> int:
     """Write only what a run trained (safetensors + JSON), optionally in peft's or transformers' format.
 
     Args:
@@ -416,6 +417,11 @@ def main_export(*, ckpt_path: str, out: str, format: Format = "native", config: 
         targets: --format factors: layer patterns (default: the rank_targets a callback of the config declares,
             e.g. Q3R's)
     """
+    if format != "factors" and (keep is not None or targets):  # they would be ignored without a word
+        given = "--keep" if keep is not None else "--targets"
+        print(f"lowrank export: error: {given} applies to --format factors only; drop it, or add --format factors",
+              file=sys.stderr)
+        return 2
     try:
         got = export_checkpoint(ckpt_path, out, format, config, keep, targets)
     except (ArtifactError, ValueError) as exc:

@@ -19,6 +19,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lowrank_lit.argtypes import SEED_MAX
 from lowrank_lit.callbacks.config import RunConfigCallback
 from lowrank_lit.callbacks.resume import ResumeCheckpoint
 from lowrank_lit.callbacks.rng import RNGStateCheckpoint
@@ -97,6 +98,9 @@ class LowrankCLI(LightningCLI):
 
         config_seed = self._get(self.config, "seed_everything")
         self._random_seed = config_seed is True  # a resume takes the seed its run was trained with
+        if isinstance(config_seed, int) and not isinstance(config_seed, bool) and not 0 <= config_seed <= SEED_MAX:
+            raise ConfigError(f"--seed_everything={config_seed}: allowed: an integer seed in 0..{SEED_MAX}, true (a random "
+                              "seed, saved in the run's config) or false (no seeding)")
         if config_seed is False:
             return
         config_seed = seed_everything(None if config_seed is True else config_seed, workers=True, verbose=False)

@@ -47,7 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse.typing import PositiveInt
 
+from lowrank_lit.argtypes import Seed
 from lowrank_lit.launch.checks import YamlFileError, load_yaml
 from lowrank_lit.launch.verbs import PassThrough, Typed
 
@@ -454,7 +456,7 @@ def _run_cells(sweep: Path, study: str, folder: Path, n_trials: int | None, work
 
 
 def main(*, grid: str, config: str | None = None, root: str | None = None, jobs: int = 1, check: bool = False,
-         limit: int | None = None, seeds: list[int] | None = None, pivot: str | None = None,
+         limit: PositiveInt | None = None, seeds: list[Seed] | None = None, pivot: str | None = None,
          extra: PassThrough = [], given: Typed = ()) -> int:  # noqa: B006
     """Run the cross product of config fragments over seeds (a grid sweep) and write one table and a heatmap per metric.
 

@@ -84,7 +84,22 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
+#: the longest run id and experiment folder name: a file name has at most 255 bytes, and W&B ids and the files of the
+#: run (``config.<n>.yaml``, ``.lowrank-claim.<pid>.<hex>``) need room beside it
+MAX_NAME = 128
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else f"{text[:37]}... ({len(text)} characters)"
+
+
 def _validate(experiment: str, run_id: str | None) -> None:
+    long = next((p for p in experiment.split("/") if len(p) > MAX_NAME), None)
+    if long is not None:
+        raise RunDirError(f"--experiment={_short(experiment)!r}: a folder name of {len(long)} characters; allowed: "
+                          f"at most {MAX_NAME} characters per '/'-separated part")
+    if run_id is not None and len(run_id) > MAX_NAME:
+        raise RunDirError(f"--run_id={_short(run_id)!r}; allowed: at most {MAX_NAME} characters")
     if not _EXPERIMENT_RE.match(experiment) or any(p in (".", "..") for p in experiment.split("/")):
         raise RunDirError(
             f"--experiment={experiment!r}; allowed: path segments of ASCII letters, digits, '_', '.', '-' joined by "

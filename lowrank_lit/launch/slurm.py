@@ -25,6 +25,8 @@ from pathlib import Path
 from time import strftime
 from typing import Literal
 
+from jsonargparse.typing import PositiveInt
+
 from lowrank_lit.launch.sweep_study import default_storage, sweep_folder
 from lowrank_lit.launch.verbs import PassThrough, Typed
 
@@ -41,10 +43,10 @@ def render_script(
     *,
     fit_args: list[str] | None = None,
     sweep: str | None = None,
-    array: int | None = None,
+    array: PositiveInt | None = None,
     nodes: int = 1,
     gpus_per_node: int = 1,
-    cpus_per_task: int = 8,
+    cpus_per_task: PositiveInt = 8,
     time_limit: str = "04:00:00",
     partition: str | None = None,
     account: str | None = None,
@@ -54,7 +56,7 @@ def render_script(
     python: str | None = None,
     storage: str | None = None,
     study_name: str | None = None,
-    trials_per_task: int | None = None,
+    trials_per_task: PositiveInt | None = None,
     accelerator: str = "gpu",
     run_root: str | None = None,
 ) -> str:
@@ -136,9 +138,9 @@ def _config_accelerator(configs: list[str]) -> str:
     return "cpu" if str(accel).lower() == "cpu" else "gpu"
 
 
-def main(*, config: list[str] | None = None, sweep: str | None = None, array: int | None = None,
-         trials_per_task: int | None = None, storage: str | None = None, study_name: str | None = None, nodes: int = 1,
-         gpus_per_node: int = 1, cpus_per_task: int = 8, time: str = "04:00:00", partition: str | None = None,  # noqa: A002
+def main(*, config: list[str] | None = None, sweep: str | None = None, array: PositiveInt | None = None,
+         trials_per_task: PositiveInt | None = None, storage: str | None = None, study_name: str | None = None, nodes: int = 1,
+         gpus_per_node: int = 1, cpus_per_task: PositiveInt = 8, time: str = "04:00:00", partition: str | None = None,  # noqa: A002
          account: str | None = None, job_name: str | None = None, run_root: str = "runs",
          accelerator: Literal["gpu", "cpu"] | None = None, dry_run: bool = False, extra: PassThrough = [],  # noqa: B006
          given: Typed = ()) -> int:

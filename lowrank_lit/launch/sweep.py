@@ -48,6 +48,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lowrank_lit.argtypes import Seed
 from lowrank_lit.launch.sweep_spec import (
     CONFIG_KEY,
     TOP_LEVEL_KEYS,
@@ -81,7 +82,7 @@ __all__ = ["SweepSpec", "SweepError", "SweepStopped", "TrialResult", "CONFIG_KEY
            "optuna_storage", "main"]
 
 def main(sweep_file: str, *, n_trials: int | None = None, storage: str | None = None, study_name: str | None = None,
-         run_root: str = "runs", seed: int | None = None, best_config: str | None = None, no_wandb: bool = False,
+         run_root: str = "runs", seed: Seed | None = None, best_config: str | None = None, no_wandb: bool = False,
          check: bool = False, parse: bool = False, extra: PassThrough = [], given: Typed = ()) -> int:  # noqa: B006
     """Run a W&B sweep file offline with optuna (flags it does not know go to every trial's ``lowrank fit``).
 

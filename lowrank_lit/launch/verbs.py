@@ -20,6 +20,7 @@ types check the values and write the error, as they do for ``fit``: ``Literal`` 
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import types
 import typing
@@ -158,6 +159,26 @@ def _split(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return own, rest
 
 
+_NUMBER_RE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$", re.IGNORECASE)
+
+
+def _join_negative_numbers(parser: Any, argv: list[str]) -> list[str]:
+    """``--gpu-memory -8`` as ``--gpu-memory=-8``: argparse takes a word that starts with ``-`` for an option, so a
+    negative value after a space would be "expected one argument" instead of the value's own one-line refusal."""
+    takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word in takes_value and i + 1 < len(argv) and _NUMBER_RE.match(argv[i + 1]):
+            out.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
 def call(fn: Callable[..., int], argv: Sequence[str], prog: str,
          options_from: Callable[[Any], Callable[..., Any]] | None = None) -> int:
     """Parse ``argv`` into ``fn``'s typed arguments and call it; returns its exit status.
@@ -183,6 +204,7 @@ def call(fn: Callable[..., int], argv: Sequence[str], prog: str,
             print(f"{prog}: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
             return 2
     parser = parser_for(fn, prog, more)
+    argv = _join_negative_numbers(parser, argv)
     hints = typing.get_type_hints(fn, include_extras=True)
     markers = {name: m for name, h in hints.items() if (m := _marker(h)) is not None}
     own, rest = _split(parser, argv) if _PassThrough in markers.values() else (argv, [])
