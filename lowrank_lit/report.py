@@ -27,8 +27,13 @@ from typing import Any
 __all__ = [
     "run_directory", "may_write", "artifact_path", "save_rows", "log_image", "last_values", "read_metric", "read_config", "find_runs", "Run", "read_runs",
     "debug_reason", "including_debug_runs", "markdown_table", "mean_std", "class_label", "new_figure", "save_figure",
-    "RunFilter", "only_runs_of", "config_classes", "group_runs", "NoMethodRuns", "keep_previous",
+    "RunFilter", "only_runs_of", "config_classes", "group_runs", "NoMethodRuns", "keep_previous", "UNFINISHED_FILE",
+    "unfinished_runs",
 ]
+
+#: the file a ``lowrank`` run keeps in its directory from the moment it starts training (or evaluating) until it ends
+#: well: a run killed, crashed or interrupted (or still running) holds it, and summaries leave it out and count it
+UNFINISHED_FILE = "unfinished.json"
 
 
 def run_directory(trainer: Any | None) -> str | None:
@@ -202,6 +207,21 @@ class Run:
         return [float(r[key]) for r in self.rows(filename) if r.get(key) not in ("", None)]
 
     @property
+    def unfinished(self) -> str | None:
+        """Why the run did not end well (``"crashed: RuntimeError ..."``, ``"interrupted by SIGTERM"``, ``"killed or
+        still running"``), None for a run that ended well (or that no ``lowrank`` command ran)."""
+        path = self.path / UNFINISHED_FILE
+        if not path.is_file():
+            return None
+        import json
+
+        try:
+            info = json.loads(path.read_text())
+        except (OSError, ValueError):
+            info = {}
+        return str(info.get("ended") or "killed or still running") if isinstance(info, dict) else "killed or still running"
+
+    @property
     def debug(self) -> bool:
         """True for a debug run: ``fast_dev_run``, ``overfit_batches`` or ``limit_train_batches`` below a full pass."""
         return self.debug_reason is not None
@@ -255,6 +275,11 @@ def read_runs(roots: Iterable[str], marker: str = "metrics.csv", required: bool 
         runs = method.keep(runs)
         if required and not runs:
             raise NoMethodRuns(method.slug, roots)
+    finished = [r for r in runs if r.unfinished is None]  # never a result: counted by unfinished_runs()
+    if required and runs and not finished:
+        raise FileNotFoundError(f"no run directory holding {marker} under {', '.join(roots)} except {len(runs)} "
+                                f"unfinished run(s) ({runs[0]}: {runs[0].unfinished}), which summaries leave out")
+    runs = finished
     if _INCLUDE_DEBUG.get():
         return runs
     kept = [r for r in runs if not r.debug]
@@ -264,6 +289,12 @@ def read_runs(roots: Iterable[str], marker: str = "metrics.csv", required: bool 
             f"({runs[0].debug_reason}, ...), which summaries leave out; --include-debug keeps them"
         )
     return kept
+
+
+def unfinished_runs(roots: Iterable[str]) -> list[Run]:
+    """The run directories below ``roots`` that hold :data:`UNFINISHED_FILE` (killed, crashed, interrupted or still
+    running), sorted by path: :func:`read_runs` leaves them out, ``lowrank summarize`` counts them."""
+    return [Run(d) for d in find_runs(roots, UNFINISHED_FILE)]
 
 
 # --------------------------------------------------------------------------------------- whose runs

@@ -40,7 +40,7 @@ from lowrank_lit.launch.checks import (
     stdout_is_terminal,
     wandb_online_allowed,
 )
-from lowrank_lit.launch.resume_contract import RESUME_CHANGES, ResumeChanges, check_resume
+from lowrank_lit.launch.resume_contract import RESUME_CHANGES, ResumeChanges, check_resume, saved_config_path
 from lowrank_lit.launch.run_dir import (
     CLAIM_FILE,
     ENV_RUN_DIR,
@@ -51,6 +51,7 @@ from lowrank_lit.launch.run_dir import (
     resolve_run_dir,
     slurm_run_id,
 )
+from lowrank_lit.report import UNFINISHED_FILE
 
 __all__ = ["LowrankCLI", "RunStopped", "AlreadyFinished", "build_parser", "run_command"]
 
@@ -83,7 +84,8 @@ class LowrankCLI(LightningCLI):
         )
         # RNG states travel with every checkpoint, so resuming is exact (added to every run)
         # and the step of the last validation is recorded (a fit ending mid-epoch is validated once more, after_fit)
-        kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint(), _LastValidation()]})
+        # and a run that has started holds unfinished.json until it ends well (summaries leave such runs out)
+        kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint(), _LastValidation(), _Unfinished()]})
         try:
             super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
         except SIGTERMException as exc:  # stopped by a signal: say where the run was writing
@@ -275,8 +277,6 @@ class LowrankCLI(LightningCLI):
         if not self._resuming:
             return
         own = os.path.abspath(str(path)).startswith(os.path.abspath(run_dir.path) + os.sep)
-        from lowrank_lit.launch.resume_contract import saved_config_path
-
         saved = saved_config_path(str(path))
         if getattr(self, "_random_seed", False) and saved is not None:  # `true` drew a new seed: take the run's
             try:
@@ -429,26 +429,51 @@ class LowrankCLI(LightningCLI):
         when nothing was written into it but its config."""
         try:
             super()._run_subcommand(subcommand)
-        except SIGTERMException:
+        except SIGTERMException as exc:
+            self._mark_unfinished(f"interrupted by {getattr(exc, 'signal_name', 'a signal')}")
             raise
-        except Exception as exc:
-            from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-            root = _root_cause(exc)
-            cfg = self.config[self.subcommand] if self.subcommand else self.config
-            if getattr(self, "_resuming", False) and not self._restored():
-                # the checkpoint did not load into what the config builds: one line, and the run directory untouched
-                if self.run_dir is not None and is_rank_zero():
-                    self._remove_if_unstarted(self.run_dir)
-                detail = "; ".join(ln.strip() for ln in str(root).splitlines()[:3] if ln.strip())
-                raise ConfigError(f"--ckpt_path={str(cfg.get('ckpt_path'))!r} does not load into what this config builds "
-                                  f"({type(root).__name__}: {detail[:300]}); resume with the config it was trained with "
-                                  "(its run's config.yaml)") from exc
-            if not isinstance(root, (ValueError, OSError, MisconfigurationException)) or self._batches_done():
+        except BaseException as exc:
+            self._mark_unfinished(f"crashed: {type(_root_cause(exc)).__name__}: {first_line(_root_cause(exc))[:200]}")
+            if not isinstance(exc, Exception):
                 raise
+            self._handle_run_error(exc)
+        else:
+            if self.run_dir is not None and is_rank_zero():  # ended well
+                (self.run_dir.path / UNFINISHED_FILE).unlink(missing_ok=True)
+
+    def _mark_unfinished(self, why: str) -> None:
+        """Say in the run's unfinished.json how it ended (it exists only once training or evaluating started)."""
+        import json
+
+        path = self.run_dir.path / UNFINISHED_FILE if self.run_dir is not None else None
+        if path is None or not is_rank_zero() or not path.is_file():
+            return
+        try:
+            info = json.loads(path.read_text())
+            info["ended"] = why
+            path.write_text(json.dumps(info, sort_keys=True) + "\n")
+        except (OSError, ValueError):
+            pass
+
+    def _handle_run_error(self, exc: Exception) -> None:
+        """An input error raised while the run was being set up becomes one line (see :meth:`_run_subcommand`)."""
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        root = _root_cause(exc)
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if getattr(self, "_resuming", False) and not self._restored():
+            # the checkpoint did not load into what the config builds: one line, and the run directory untouched
             if self.run_dir is not None and is_rank_zero():
                 self._remove_if_unstarted(self.run_dir)
-            raise ConfigError(setup_error(root, cfg)) from exc
+            detail = "; ".join(ln.strip() for ln in str(root).splitlines()[:3] if ln.strip())
+            raise ConfigError(f"--ckpt_path={str(cfg.get('ckpt_path'))!r} does not load into what this config builds "
+                              f"({type(root).__name__}: {detail[:300]}); resume with the config it was trained with "
+                              "(its run's config.yaml)") from exc
+        if not isinstance(root, (ValueError, OSError, MisconfigurationException)) or self._batches_done():
+            raise exc
+        if self.run_dir is not None and is_rank_zero():
+            self._remove_if_unstarted(self.run_dir)
+        raise ConfigError(setup_error(root, cfg)) from exc
 
     def _restored(self) -> bool:
         """Whether fit got past loading its checkpoint (the training loop started)."""
@@ -536,6 +561,40 @@ class _LastValidation(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
             self.step = trainer.global_step
+
+
+class _Unfinished(pl.Callback):
+    """Writes the run directory's ``unfinished.json`` (rank 0) once training or evaluating has started (after a resumed
+    checkpoint loaded); the CLI removes it when the command ends well and records in it how the run ended otherwise. A
+    run killed with SIGKILL keeps it as written. ``lowrank summarize`` leaves such runs out and counts them."""
+
+    def _write(self, trainer: pl.Trainer, stage: str) -> None:
+        import json
+        import socket
+        import time
+
+        from lowrank_lit.report import artifact_path, may_write
+
+        if trainer.sanity_checking or not may_write(trainer):
+            return
+        info = {"stage": stage, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
+                "pid": os.getpid(), "step": trainer.global_step}
+        with open(artifact_path(trainer, UNFINISHED_FILE), "w") as f:
+            f.write(json.dumps(info, sort_keys=True) + "\n")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer, "fit")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "test":
+            self._write(trainer, "test")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._write(trainer, "validate")
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer, "predict")
 
 
 def _finished_with(cfg: Namespace, run_dir: RunDir) -> bool:

@@ -21,6 +21,7 @@ from lowrank_lit.report import (
     including_debug_runs,
     only_runs_of,
     read_runs,
+    unfinished_runs,
 )
 
 __all__ = ["Summary", "get_summary", "studies", "summary_options", "main"]
@@ -116,17 +117,10 @@ def main(slug: str, roots: list[str], *, out: str | None = None, include_debug: 
         roots: run directories, or folders holding them
         out: also write the figure to this file (PNG)
         include_debug: also use debug runs (fast_dev_run, overfit_batches, limit_train_batches), left out by default
-        list_debug: only list the debug runs under the roots and why
+        list_debug: only list the debug runs and the unfinished runs (killed, crashed, interrupted) under the roots and why
         options: the summary's own options (its keyword arguments)
     """
     summary = get_summary(slug)
-    with including_debug_runs():
-        debug = [r for r in read_runs(roots, "config.yaml", required=False) if r.debug]
-    if list_debug:
-        for run in debug:
-            print(f"{run}  ({run.debug_reason})")
-        print(f"{len(debug)} debug run(s)", file=sys.stderr)
-        return 0
     from lowrank_lit.registry import project_root
 
     run_filter = RunFilter(summary.slug, summary.module, project_root() / "configs" / summary.slug)
@@ -135,11 +129,22 @@ def main(slug: str, roots: list[str], *, out: str | None = None, include_debug: 
         print(f"lowrank summarize {summary.slug}: error: {missing[0]!r} does not exist; give run directories or "
               "folders holding them", file=sys.stderr)
         return 2
+    with including_debug_runs():
+        debug = [r for r in read_runs(roots, "config.yaml", required=False) if r.debug]
+    unfinished = [r for r in unfinished_runs(roots) if run_filter.belongs(r) is None]
+    if list_debug:
+        for run in debug:
+            print(f"{run}  ({run.debug_reason})")
+        for run in unfinished:
+            print(f"{run}  (unfinished: {run.unfinished})")
+        print(f"{len(debug)} debug run(s), {len(unfinished)} unfinished run(s)", file=sys.stderr)
+        return 0
     try:
         with including_debug_runs(include_debug), only_runs_of(run_filter):
             text = summary.fn(roots, out, **options)
     except NoMethodRuns as exc:
-        print(f"lowrank summarize {summary.slug}: {exc}{_skipped_note(run_filter)}", file=sys.stderr)
+        print(f"lowrank summarize {summary.slug}: {exc}{_skipped_note(run_filter)}{_unfinished_note(unfinished)}",
+              file=sys.stderr)
         return 1
     except (FileNotFoundError, LookupError, ValueError) as exc:
         if not any(run_filter.belongs(Run(d)) is None for d in find_runs(roots, "config.yaml")):
@@ -154,10 +159,25 @@ def main(slug: str, roots: list[str], *, out: str | None = None, include_debug: 
         print(out)
     if run_filter.skipped:
         print(f"lowrank summarize {summary.slug}: {_skipped_note(run_filter).removeprefix('; ')}", file=sys.stderr)
+    if unfinished:
+        print(f"lowrank summarize {summary.slug}: {_unfinished_note(unfinished).removeprefix('; ')}", file=sys.stderr)
     if debug and not include_debug:
         print(f"lowrank summarize: left out {len(debug)} debug run(s) (fast_dev_run, overfit_batches, limit_train_batches); "
               "--list-debug names them, --include-debug keeps them", file=sys.stderr)
     return 0
+
+
+def _unfinished_note(unfinished: list[Run]) -> str:
+    """``"; left out 2 unfinished run(s) (1 x crashed: ..., 1 x killed or still running); --list-debug names them"``."""
+    if not unfinished:
+        return ""
+    why: dict[str, int] = {}
+    for run in unfinished:
+        reason = str(run.unfinished)
+        key = reason.split(":", 1)[0] if reason.startswith("crashed") else reason
+        why[key] = why.get(key, 0) + 1
+    parts = ", ".join(f"{c} x {w}" for w, c in sorted(why.items(), key=lambda t: -t[1]))
+    return f"; left out {len(unfinished)} unfinished run(s) ({parts}); --list-debug names them"
 
 
 def _skipped_note(run_filter: RunFilter) -> str:
