@@ -48,6 +48,10 @@ def _folder(tmp: Path) -> None:
     (lora / "checkpoints").mkdir(parents=True)
     (lora / "config.yaml").write_text("model:\n  class_path: lowrank_lit.models.text.PromptTunedClassifier\n")
     torch.save({"state_dict": {}, "epoch": 0, "global_step": 1}, lora / "checkpoints" / "last.ckpt")
+    (tmp / "dup.yaml").write_text("trainer:\n  max_epochs: 1\n  max_epochs: 2\n")
+    (tmp / "empty.yaml").write_text("# nothing here\n")
+    (tmp / "list.yaml").write_text("- trainer\n- model\n")
+    (tmp / "dupsweep.yaml").write_text("method: grid\nmethod: random\nmetric: {name: val/loss}\n")
     (tmp / "ro").mkdir()
     (tmp / "ro").chmod(0o555)
 
@@ -149,6 +153,48 @@ CASES = [
     pytest.param(["submit", "--config", MLP, "--nodes", "0"], "--nodes=0", id="submit-zero-nodes"),
     pytest.param(["summarize", "q3r", "nope"], "'nope' does not exist", id="summarize-missing-root"),
     pytest.param(["nope"], "unknown command 'nope'", id="unknown-command"),
+    # seeds, names that cannot be file names
+    pytest.param(["fit", "--config", MLP, "--seed_everything=-1"], "--seed_everything=-1: allowed: an integer seed in "
+                 "0..4294967295", id="seed-negative"),
+    pytest.param(["fit", "--config", MLP, "--seed_everything=4294967296"], "--seed_everything=4294967296: allowed",
+                 id="seed-too-large"),
+    pytest.param(["fit", "--config", MLP, "--run_id", "x" * 300], "(300 characters)'; allowed: at most 128 characters",
+                 id="run-id-too-long"),
+    pytest.param(["fit", "--config", MLP, "--experiment", "a/" + "x" * 300], "a folder name of 300 characters; allowed",
+                 id="experiment-too-long"),
+    # files a command reads: a key given twice, an empty file, a list
+    pytest.param(["fit", "--config", MLP, "--config", "dup.yaml"],
+                 "--config: dup.yaml: line 3: key 'max_epochs' is given twice in one mapping (first at line 2)", id="yaml-duplicate-key"),
+    pytest.param(["fit", "--config", "empty.yaml"], "--config: empty.yaml is empty; allowed: a YAML mapping", id="yaml-empty"),
+    pytest.param(["fit", "--config", "list.yaml"], "--config: list.yaml: line 1: the file holds a YAML list", id="yaml-list"),
+    pytest.param(["sweep", "dupsweep.yaml"], "dupsweep.yaml: line 2: key 'method' is given twice", id="sweep-duplicate-key"),
+    pytest.param(["matrix", "--config", MLP, "--grid", "empty.yaml", "--check"], "--grid: empty.yaml is empty",
+                 id="grid-empty"),
+    # numeric options of every verb, a negative value after a space included
+    pytest.param(["estimate", "--config", MLP, "--gpu-memory=0"], "--gpu_memory='0'; allowed: a number > 0", id="estimate-gpu-memory-0"),
+    pytest.param(["estimate", "--config", MLP, "--gpu-memory", "-8"], "--gpu_memory='-8'; allowed: a number > 0",
+                 id="estimate-gpu-memory-negative"),
+    pytest.param(["sweep", str(ROOT / "sweeps" / "q3r.yaml"), "--n-trials", "-3"], "--n-trials=-3; allowed: a positive integer",
+                 id="sweep-negative-trials"),
+    pytest.param(["sweep", str(ROOT / "sweeps" / "q3r.yaml"), "--seed", "-1"], "--seed='-1'; allowed: an integer in 0..4294967295",
+                 id="sweep-negative-seed"),
+    pytest.param(["submit", "--config", MLP, "--array", "-2", "--dry-run"], "--array='-2'; allowed: an integer > 0",
+                 id="submit-negative-array"),
+    pytest.param(["submit", "--config", MLP, "--cpus-per-task", "0", "--dry-run"], "--cpus_per_task='0'; allowed: an integer > 0",
+                 id="submit-zero-cpus"),
+    pytest.param(["matrix", "--config", MLP, "--grid", str(ROOT / "grids" / "adapter_optimizers.yaml"), "--limit", "-1",
+                  "--check"], "--limit='-1'; allowed: an integer > 0", id="matrix-negative-limit"),
+    pytest.param(["export", "--ckpt_path", "runs/lope/lora/r/checkpoints/last.ckpt", "--out", "exp", "--format", "factors",
+                  "--keep", "0"], "--keep='0'; allowed: a number in (0, 1]", id="export-keep-0"),
+    pytest.param(["export", "--ckpt_path", "runs/lope/lora/r/checkpoints/last.ckpt", "--out", "exp", "--keep", "0.5"],
+                 "--keep applies to --format factors only", id="export-keep-without-factors"),
+    pytest.param(["convert", "vmamba", "--src", "afile", "--out", "o.pth", "--depths", "2", "0"],
+                 "--depths=2 0; allowed: one integer >= 1 per stage", id="convert-zero-depth"),
+    # what the run would do differently from what it says
+    pytest.param(["fit", "--config", MLP, "--trainer.precision=16-mixed"], "trainer.precision='16-mixed' needs a GPU",
+                 id="fp16-on-cpu", marks=_NO_GPU),
+    pytest.param(["fit", "--config", MLP, "--data.init_args.batch_size=0"], "batch_size=0; allowed: an integer >= 1",
+                 id="batch-size-0"),
 ]
 
 
@@ -166,4 +212,55 @@ def test_bad_input_is_one_line_and_touches_nothing(argv, needle, tmp_path):
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-3000:]
     assert needle in lines[0], lines[0]
+    assert not any(ln.startswith("run ") for ln in proc.stdout.splitlines()), proc.stdout  # names no run directory
     assert _snapshot(tmp_path) == before  # nothing created, removed or changed
+
+
+# ------------------------------------------------------------------------------------ resuming with another config
+#: a short run (3 steps) of the baseline and one of Q3R, each with a checkpoint and its config.yaml
+SHORT = ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--test_after_fit=false"]
+Q3R_ADAMW = str(CONFIGS / "q3r" / "mlp_digits_adamw.yaml")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from tests.helpers import run_cli
+
+    root = tmp_path_factory.mktemp("trained")
+    assert run_cli("fit", "--config", MLP, *SHORT, "--run_id", "r", run_root=root / "runs") == 0
+    assert run_cli("fit", "--config", Q3R, *SHORT, "--run_id", "q", run_root=root / "runs") == 0
+    return root
+
+
+RESUME_CASES = [
+    pytest.param([MLP, "--run_id", "r", "--ckpt_path", "last", "--model.init_args.optimizer.init_args.lr=0.5"],
+                 "model.init_args.optimizer.init_args.lr 0.001 -> 0.5", id="resume-changed-lr"),
+    pytest.param([MLP, "--run_id", "r", "--ckpt_path", "last", "--model.init_args.backbone.init_args.hidden=[64]"],
+                 "model.init_args.backbone.init_args.hidden [256, 128] -> [64]", id="resume-changed-architecture"),
+    pytest.param([MLP, "--run_id", "r", "--ckpt_path", "last", "--model.init_args.backbone.init_args.hidden=[64]",
+                  "--resume_changes=apply"], "does not load into what this config builds (RuntimeError: ",
+                 id="resume-apply-what-cannot-load"),
+    pytest.param([MLP, "--run_id", "r", "--ckpt_path", "last", "--resume_changes=maybe"],
+                 "resume_changes='maybe'; allowed: refuse, apply", id="resume-changes-choice"),
+    pytest.param([Q3R_ADAMW, "--ckpt_path", "runs/q3r/mlp_digits/q/checkpoints/last.ckpt"],
+                 "trainer.callbacks ['TruncationEval', 'Q3R'] -> ['TruncationEval']", id="resume-another-methods-checkpoint"),
+    pytest.param([MLP, "--ckpt_path", "runs/q3r/mlp_digits/q/checkpoints/last.ckpt"], "data.init_args.",
+                 id="resume-another-models-checkpoint"),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("args", "needle"), RESUME_CASES)
+def test_a_resume_with_another_config_is_one_line_and_touches_nothing(args, needle, tmp_path, trained):
+    import shutil
+
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    before = _snapshot(tmp_path)
+    argv = ["fit", "--config", *args, *SHORT[:-1], "--trainer.max_steps=6", "--test_after_fit=false"]
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-3000:]
+    assert needle in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before

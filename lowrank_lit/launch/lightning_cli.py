@@ -85,7 +85,7 @@ class LowrankCLI(LightningCLI):
         # RNG states travel with every checkpoint, so resuming is exact (added to every run)
         # and the step of the last validation is recorded (a fit ending mid-epoch is validated once more, after_fit)
         # and a run that has started holds unfinished.json until it ends well (summaries leave such runs out)
-        kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint(), _LastValidation(), _Unfinished()]})
+        kwargs.setdefault("trainer_defaults", {"callbacks": [RNGStateCheckpoint(), _LastValidation(), _RunStart()]})
         try:
             super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
         except SIGTERMException as exc:  # stopped by a signal: say where the run was writing
@@ -178,20 +178,24 @@ class LowrankCLI(LightningCLI):
         )
 
     def after_instantiate_classes(self) -> None:
-        """Say where the run writes and what it runs on, once its classes are built (Lightning's own "GPU available"
-        lines are silenced: they went to stderr)."""
+        """Say where the run writes and what it runs on, when it starts (once its classes are built and set up: a
+        class or callback that refuses its arguments names no run). Lightning's own "GPU available" lines are
+        silenced: they went to stderr."""
         super().after_instantiate_classes()
-        run_dir = self.run_dir
-        if run_dir is not None and is_rank_zero():  # only now: a class that refuses its arguments names no run
-            cfg = self.config[self.subcommand] if self.subcommand else self.config
-            seed = cfg.get("seed_everything")
-            print(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}" + (" (re-entered)" if run_dir.resumed else "")
-                  + (f" (seed {seed})" if seed is not False and seed is not None else ""), flush=True)
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and is_rank_zero() and self.subcommand is not None:
-            kind = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower()
-            print(f"devices: {trainer.num_nodes * trainer.num_devices} x {kind} ({trainer.num_nodes} node(s), "
-                  f"precision {trainer.precision})", flush=True)
+        start = next((c for c in trainer.callbacks if isinstance(c, _RunStart)), None) if trainer is not None else None
+        if trainer is None or start is None or not is_rank_zero() or self.subcommand is None:
+            return
+        run_dir = self.run_dir
+        if run_dir is not None:
+            cfg = self.config[self.subcommand]
+            seed = cfg.get("seed_everything")
+            start.lines.append(f"run {run_dir.experiment}/{run_dir.run_id}: {run_dir.path}"
+                               + (" (re-entered)" if run_dir.resumed else "")
+                               + (f" (seed {seed})" if seed is not False and seed is not None else ""))
+        kind = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower()
+        start.lines.append(f"devices: {trainer.num_nodes * trainer.num_devices} x {kind} ({trainer.num_nodes} node(s), "
+                           f"precision {trainer.precision})")
 
     def after_fit(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -242,6 +246,7 @@ class LowrankCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_values(cfg, self.subcommand)  # before a run directory exists: a bad input leaves nothing behind
+        _ddp_for_the_model(cfg)
         self._templates = resolve_path_templates(cfg)  # {seed}, {torso}: filled once, here; classes get plain paths
         check_input_files(cfg)
         experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
@@ -563,10 +568,24 @@ class _LastValidation(pl.Callback):
             self.step = trainer.global_step
 
 
-class _Unfinished(pl.Callback):
-    """Writes the run directory's ``unfinished.json`` (rank 0) once training or evaluating has started (after a resumed
-    checkpoint loaded); the CLI removes it when the command ends well and records in it how the run ended otherwise. A
-    run killed with SIGKILL keeps it as written. ``lowrank summarize`` leaves such runs out and counts them."""
+class _RunStart(pl.Callback):
+    """What a run says and leaves when it starts.
+
+    * ``lines`` (the run directory, the devices; set by the CLI) are printed on stdout when fit, test, validation or
+      prediction starts, after every class and callback was set up: a run refused while it is set up names no run.
+    * ``unfinished.json`` is written into the run directory (rank 0) once training or evaluating has started (after a
+      resumed checkpoint loaded); the CLI removes it when the command ends well and records in it how the run ended
+      otherwise. A run killed with SIGKILL keeps it as written. ``lowrank summarize`` leaves such runs out and counts
+      them.
+    """
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def _announce(self) -> None:
+        for line in self.lines:
+            print(line, flush=True)
+        self.lines = []
 
     def _write(self, trainer: pl.Trainer, stage: str) -> None:
         import json
@@ -582,19 +601,47 @@ class _Unfinished(pl.Callback):
         with open(artifact_path(trainer, UNFINISHED_FILE), "w") as f:
             f.write(json.dumps(info, sort_keys=True) + "\n")
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._announce()
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write(trainer, "fit")
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._announce()
         if trainer.state.fn == "test":
             self._write(trainer, "test")
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._announce()
         if trainer.state.fn == "validate":
             self._write(trainer, "validate")
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._announce()
         self._write(trainer, "predict")
+
+
+def _ddp_for_the_model(cfg: Namespace) -> None:
+    """A model some of whose parameters get no gradient at some steps (``ddp_find_unused_parameters = True`` on its
+    class) runs several processes with Lightning's ``ddp_find_unused_parameters_true``: plain DDP would stop at its
+    first step. The strategy is set in the config, so config.yaml says what ran."""
+    trainer = cfg.get("trainer")
+    model = cfg.get("model")
+    if trainer is None or not isinstance(model, Namespace) or not isinstance(model.get("class_path"), str):
+        return
+    try:
+        cls = import_dotted(model.class_path)
+    except Exception:  # noqa: BLE001 - the parser has said what it could not import
+        return
+    if not getattr(cls, "ddp_find_unused_parameters", False):
+        return
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    several = (isinstance(devices, int) and not isinstance(devices, bool) and devices > 1) or \
+        (isinstance(devices, list) and len(devices) > 1) or (isinstance(devices, str) and devices.isdigit()
+                                                              and int(devices) > 1) or nodes > 1
+    if str(trainer.get("strategy")) == "ddp" or (str(trainer.get("strategy")) == "auto" and several):
+        trainer.strategy = "ddp_find_unused_parameters_true"
 
 
 def _finished_with(cfg: Namespace, run_dir: RunDir) -> bool:

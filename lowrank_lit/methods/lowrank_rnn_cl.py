@@ -30,7 +30,7 @@ parameters; the context sum is one einsum over components (no Python loop).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -532,6 +532,10 @@ class WhatHowModule(pl.LightningModule):
     ``.../decode_transfer``.
     """
 
+    #: under DDP some parameters get no gradient at a step (the network the method does not use, components frozen
+    #: after their stage, the readout after the first stage): the CLI runs it with ``ddp_find_unused_parameters_true``
+    ddp_find_unused_parameters: ClassVar[bool] = True
+
     def __init__(self, how: ComposedLowRankRNN | None = None, what: EpochHMM | None = None, method: str = "what_how",
                  vanilla: VanillaRNN | None = None, freeze_reused: bool = True, lr: LearningRate = 3e-3, what_trials: int = 30,
                  eval_trials: int = 256, hold_weight: float = 0.0) -> None:
@@ -629,8 +633,16 @@ class WhatHowModule(pl.LightningModule):
         self.log("train/vocab", float(self.what.vocab_size if self.method == "what_how" else len(self.epoch_slot)))
         return loss
 
+    def setup(self, stage: str) -> None:
+        world = self.trainer.world_size
+        if stage == "fit" and self._dm.steps_per_stage % world:
+            raise ValueError(f"CognitiveStreamDataModule: steps_per_stage={self._dm.steps_per_stage} over {world} "
+                             f"processes; allowed: a multiple of {world} (each process takes every {world}th batch "
+                             "of the stream, and every stage must end on the same step in all of them)")
+
     def on_train_batch_end(self, outputs: Any, batch: dict[str, Any], batch_idx: int) -> None:
-        if (batch_idx + 1) % self._dm.steps_per_stage == 0:
+        # the stream's batches are dealt out to the processes in turn: each sees steps_per_stage / world of a stage
+        if (batch_idx + 1) % (self._dm.steps_per_stage // self.trainer.world_size) == 0:
             self.evaluate_all(int(batch["stage"]))
 
     @torch.no_grad()
