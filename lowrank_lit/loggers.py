@@ -58,23 +58,51 @@ class WandbLogger(_LightningWandbLogger):
             return super().experiment
         import wandb
 
+        timeout = wandb_init_timeout()
+        unreachable = server_unreachable(timeout)  # W&B's own waits (login, resume status) are not all bounded
+        if unreachable is not None:
+            return self._go_offline(unreachable, timeout)
         if "settings" not in self._wandb_init:
-            self._wandb_init["settings"] = wandb.Settings(init_timeout=wandb_init_timeout())
+            self._wandb_init["settings"] = wandb.Settings(init_timeout=timeout)
         try:
             return super().experiment
         except (wandb.errors.CommError, wandb.errors.UsageError, TimeoutError, ConnectionError) as exc:
-            detail = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
             wandb.teardown()  # the failed start still holds the run id
             self._experiment = None
-            self._offline = True
-            self._wandb_init["mode"] = "offline"
             self._wandb_init.pop("settings", None)
-            folder = os.path.join(self._save_dir or ".", "wandb")
-            server = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-            print(f"W&B: no online run at {server} (waited at most {wandb_init_timeout():g} s: {detail[:160]}); this run "
-                  f"logs offline to {folder}; upload it later with: wandb sync {folder}/offline-run-*", file=sys.stderr,
-                  flush=True)
-            return super().experiment
+            return self._go_offline(next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__),
+                                    timeout)
+
+    def _go_offline(self, why: str, timeout: float) -> Any:
+        self._offline = True
+        self._wandb_init["mode"] = "offline"
+        folder = os.path.join(self._save_dir or ".", "wandb")
+        print(f"W&B: no online run at {_server()} (waited at most {timeout:g} s: {why[:160]}); this run logs offline to "
+              f"{folder}; upload it later with: wandb sync {folder}/offline-run-*", file=sys.stderr, flush=True)
+        return super().experiment
+
+
+def _server() -> str:
+    return os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+
+
+def server_unreachable(timeout: float) -> str | None:
+    """Why the W&B server (``WANDB_BASE_URL``, or the HTTPS proxy when one is set) cannot be reached: a TCP connection
+    is tried for at most ``timeout`` seconds. None when it answers."""
+    import socket
+    from urllib.parse import urlparse
+
+    target = urlparse(_server())
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") if target.scheme == "https" else \
+        os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy")
+    where = urlparse(proxy) if proxy else target
+    host = where.hostname or "api.wandb.ai"
+    port = where.port or (443 if where.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:  # DNS, unreachable network, refused, timed out
+        return f"{'the proxy ' if proxy else ''}{host}:{port}: {exc.strerror or type(exc).__name__}"
 
 
 class _KeepingWriter(ExperimentWriter):

@@ -180,6 +180,40 @@ def test_wandb_offline_without_network_or_key(tmp_path):
     assert "\x1b[" not in proc.stdout + proc.stderr and "wandb sync" in proc.stderr and "wandb sync" not in proc.stdout
 
 
+@pytest.mark.e2e
+def test_wandb_with_a_key_and_no_route_out_goes_on_offline(tmp_path):
+    """A SLURM compute node without network: an API key is set, W&B would go online, its server cannot be reached.
+    The run waits at most LOWRANK_WANDB_INIT_TIMEOUT seconds, says so in one line with the sync command, and trains
+    offline to the end under the same W&B run id."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://192.0.2.1",  # TEST-NET-1
+               LOWRANK_WANDB_INIT_TIMEOUT="5", HF_HUB_OFFLINE="1")
+    run_root = tmp_path / "runs"
+    proc = _run(["fit", "--config", MLP_CONFIG, "--config", PRESETS / "wandb.yaml", *SHORT, "--run_root", run_root],
+                env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run,) = run_dirs(run_root)
+    notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("W&B: no online run at http://192.0.2.1")]
+    assert len(notes) == 1, proc.stderr[-3000:]
+    assert "(waited at most 5 s" in notes[0] and f"wandb sync {run / 'wandb'}/offline-run-*" in notes[0]
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and "baseline-mlp_digits-" in offline[0].name
+    assert (offline[0] / "files" / "lowrank_config.yaml").is_file() and (run / "metrics.csv").is_file()
+
+
+def test_wandb_init_timeout_is_a_number_of_seconds(monkeypatch):
+    from lowrank_lit.loggers import WANDB_INIT_TIMEOUT, wandb_init_timeout
+
+    monkeypatch.delenv("LOWRANK_WANDB_INIT_TIMEOUT", raising=False)
+    assert wandb_init_timeout() == WANDB_INIT_TIMEOUT
+    monkeypatch.setenv("LOWRANK_WANDB_INIT_TIMEOUT", "2.5")
+    assert wandb_init_timeout() == 2.5
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("LOWRANK_WANDB_INIT_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="LOWRANK_WANDB_INIT_TIMEOUT=.*; allowed: a number of seconds > 0"):
+            wandb_init_timeout()
+
+
 # ----------------------------------------------------------------------------------------- bad input
 # (the one-line refusals of bad inputs: tests/test_bad_inputs.py)
 @pytest.mark.e2e
