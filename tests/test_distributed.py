@@ -294,3 +294,39 @@ def test_ddp_stop_saves_once_and_resumes_bit_identical(tmp_path, target, ddp_ref
     assert final["global_step"] == ddp_reference["global_step"] == 40
     for key, value in ddp_reference["state_dict"].items():
         assert torch.equal(final["state_dict"][key], value), key
+
+
+# ----------------------------------------------------------------------------------------- end-of-fit hooks under DDP
+#: every method with an end-of-fit hook: its config, what keeps it short, and the file the hook writes
+END_OF_FIT = {
+    "q3r": ("q3r/mlp_digits.yaml", ["--trainer.max_epochs=1", "--trainer.limit_train_batches=4"], "truncation.csv"),
+    "is_lowrank": ("is_lowrank/char_lm.yaml", ["--trainer.max_steps=4", "--trainer.limit_val_batches=1"], "subspace.csv"),
+    "lowrank_rnn_cl": ("lowrank_rnn_cl/what_how.yaml", ["--data.init_args.steps_per_stage=4",
+                                                        "--model.init_args.eval_trials=16"], "forgetting.csv"),
+    "glvq": ("compose/glvq_lora_merge.yaml", ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3"], "compose.csv"),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", sorted(END_OF_FIT))
+def test_end_of_fit_hooks_complete_on_two_ddp_processes(name, tmp_path, monkeypatch):
+    """The evaluations that run after training (Q3R's truncation, IS-LowRank's subspace table, the forgetting matrix,
+    GLVQ's compress-adapt-merge) run to the end under DDP with 2 gloo processes and write their file once."""
+    monkeypatch.chdir(tmp_path)
+    config, extra, written = END_OF_FIT[name]
+    if name == "glvq":  # the full-precision model it quantizes, at its config's path (relative to the working folder)
+        from tests.helpers import fitted_checkpoint
+
+        fitted_checkpoint("glvq/mlp_digits_fp.yaml", tmp_path / "runs", "--trainer.max_epochs=1")
+    env = {**os.environ, "PL_DISABLE_FORK": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.pop("LOWRANK_RUN_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "fit", "--config", str(ROOT / "configs" / config), *extra,
+                           "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu",
+                           "--trainer.enable_progress_bar=false", "--run_root", str(tmp_path / "ddp")],
+                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = [p.parent for p in (tmp_path / "ddp").rglob("config.yaml")]
+    rows = (run / written).read_text().splitlines()
+    assert len(rows) >= 2, rows  # a header and the hook's rows
+    assert not (run / "unfinished.json").exists()
+    assert proc.stdout.count("finished: ") == 1  # one process reports
