@@ -164,7 +164,7 @@ def main(*, config: list[str] | None = None, sweep: str | None = None, array: Po
         run_root: run root (default: runs)
         accelerator: what each task runs on (default: the config's trainer.accelerator: cpu asks for no GPU,
             gpu/cuda/auto/unset ask for --gpus-per-node GPUs)
-        dry_run: print the script instead of submitting it (its log folder is created, as for a submit)
+        dry_run: print the script instead of submitting it (nothing is written)
         extra: the flags passed on to `lowrank fit`
         given: the words after `lowrank submit`
     """
