@@ -163,6 +163,39 @@ def save_artifact(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor], e
     return out
 
 
+def _is_entry(e: Any) -> bool:
+    return (isinstance(e, dict) and isinstance(e.get("shape"), list) and all(isinstance(n, int) for n in e["shape"])
+            and isinstance(e.get("dtype"), str) and e.get("storage", "dense") in ("dense", "sparse"))
+
+
+#: the fields of artifact.json that loading reads: name -> (required, check, what is allowed)
+_FIELDS: dict[str, tuple[bool, Any, str]] = {
+    "model": (False, lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("class_path"), str)),
+              "a mapping with the class_path of the model, or null"),
+    "entries": (True, lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_entry(e) for k, e in v.items()),
+                "a mapping of tensor names to {shape: [int, ...], dtype: str, storage: dense or sparse}"),
+    "base": (True, lambda v: isinstance(v, dict) and isinstance(v.get("digest"), str) and isinstance(v.get("tensors"), dict),
+             "a mapping with digest (a string) and tensors (a mapping)"),
+    "formats": (False, lambda v: isinstance(v, list) and all(isinstance(f, str) for f in v), "a list of format names"),
+    "seed_everything": (False, lambda v: v is None or isinstance(v, int), "an integer, true, false or null"),
+    "data": (False, lambda v: v is None or isinstance(v, dict), "a mapping or null"),
+    "backbone": (False, lambda v: v is None or isinstance(v, dict | str), "a mapping, a string or null"),
+    "source": (False, lambda v: isinstance(v, dict), "a mapping"),
+}
+
+
+def _check_fields(meta: dict[str, Any], meta_file: Path) -> None:
+    """Each field of artifact.json that loading reads has the type `lowrank export` writes: else one line naming it."""
+    for name, (required, ok, allowed) in _FIELDS.items():
+        if name not in meta:
+            if required:
+                raise ArtifactError(f"artifact {str(meta_file)!r} lacks the field {name!r} ({allowed})")
+            continue
+        if not ok(meta[name]):
+            raise ArtifactError(f"artifact {str(meta_file)!r}: field {name!r} is {json.dumps(meta[name])[:60]}; "
+                                f"allowed: {allowed}")
+
+
 def read_artifact(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(artifact.json, tensors)`` of an artifact folder.
 
@@ -181,8 +214,12 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, to
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"artifact {str(meta_file)!r} is truncated or not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"artifact {str(meta_file)!r} holds a JSON {type(meta).__name__}; allowed: the object "
+                            "`lowrank export` writes")
     if meta.get("format") != FORMAT:
         raise ArtifactError(f"artifact {str(meta_file)!r}: format {meta.get('format')!r}; this version reads {FORMAT!r}")
+    _check_fields(meta, meta_file)
     try:
         tensors = load_file(str(tensor_file))
     except (SafetensorError, OSError, ValueError) as exc:

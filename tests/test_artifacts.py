@@ -93,6 +93,28 @@ def test_wrong_base_and_broken_files_fail_with_one_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- LoRA on MiniLM
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda m: [], "holds a JSON list; allowed: the object `lowrank export` writes"),
+    (lambda m: {k: v for k, v in m.items() if k != "entries"}, "lacks the field 'entries'"),
+    (lambda m: {**m, "model": "nope"}, "field 'model' is \"nope\"; allowed: a mapping with the class_path"),
+    (lambda m: {**m, "entries": []}, "field 'entries' is []; allowed: a mapping of tensor names"),
+    (lambda m: {**m, "entries": {"b": {"shape": "x", "dtype": "float32"}}}, "field 'entries'"),
+    (lambda m: {**m, "base": []}, "field 'base' is []; allowed: a mapping with digest"),
+    (lambda m: {**m, "formats": 3}, "field 'formats' is 3; allowed: a list of format names"),
+])
+def test_a_field_of_artifact_json_with_the_wrong_type_is_one_line(tmp_path, edit, needle):
+    import json
+
+    base = {"b": torch.zeros(3)}
+    tensors, entries = changed_entries({"b": torch.ones(3)}, base)
+    save_artifact(tmp_path / "a", tensors, entries, base, {"model": {"class_path": "x.Y"}, "formats": ["native"]})
+    meta_file = tmp_path / "a" / "artifact.json"
+    meta_file.write_text(json.dumps(edit(json.loads(meta_file.read_text()))))
+    with pytest.raises(ArtifactError) as err:
+        read_artifact(tmp_path / "a")
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")

@@ -7,6 +7,7 @@ compare with an uninterrupted run of the same seed: the weights must be identica
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -100,11 +101,13 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(sig, tmp_path, refe
     assert 20 < stopped["step"] < 40, stopped["step"]  # mid-epoch, not at the last epoch boundary
     resume = re.search(r"resume with: (.*)", err).group(1)
     assert resume.endswith(f"--run_id {run.name} --ckpt_path last")
+    assert json.loads((run / "unfinished.json").read_text())["ended"] == f"interrupted by {name}"  # left out of summaries
     rc, out, err = _lowrank(shlex.split(resume)[1:], tmp_path / "runs")  # exactly the printed command
     assert rc == 0, err
     assert f"resumed at step {stopped['step']}, in epoch 2" in out  # the epoch as the progress and the interruption count it
     assert f"at step {stopped['step']}, in epoch 2" in err_before
     final = _state(run)
+    assert not (run / "unfinished.json").exists()
     assert final["step"] == ref_state["step"] == 100
     for key, value in ref_state["weights"].items():
         assert torch.equal(final["weights"][key], value), key

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
@@ -116,8 +117,6 @@ def test_the_docs_table_is_the_contract():
 
 # ----------------------------------------------------------------------------- the restored optimizer takes the change
 def _module(lr: float, wd: float, scheduled: bool):
-    import lightning.pytorch as pl
-
     class M(pl.LightningModule):
         def __init__(self):
             super().__init__()
@@ -144,8 +143,6 @@ def _module(lr: float, wd: float, scheduled: bool):
 def test_apply_sets_the_new_hyperparameters_on_the_restored_optimizer(tmp_path, scheduled):
     """Without ApplyResumeChanges the restored optimizer keeps lr 0.1 and weight decay 0.0 (what Lightning restores);
     with it, the new config's values hold, and a scheduled lr keeps its place in the schedule (scaled by new/old)."""
-    import lightning.pytorch as pl
-
     from lowrank_lit.callbacks.resume import ApplyResumeChanges
 
     ckpt = tmp_path / "a.ckpt"
@@ -234,3 +231,30 @@ def test_summaries_leave_out_unfinished_runs_and_say_why(tmp_path):
                                                                 "killed": "killed or still running"}
     note = _unfinished_note(unfinished)
     assert note == "; left out 2 unfinished run(s) (1 x crashed, 1 x killed or still running); --list-debug names them"
+
+
+class CrashAtStep(pl.Callback):
+    """Raises after the second optimizer step (a crash, not an input error)."""
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 2:
+            raise RuntimeError("crashed on purpose at step 2")
+
+
+@pytest.mark.e2e
+def test_a_run_holds_unfinished_json_until_it_ends_well(tmp_path, monkeypatch):
+    """A run that ends well leaves no unfinished.json; one that crashes after its first batch keeps its traceback and
+    records how it ended there."""
+    from tests.helpers import MLP_CONFIG, run_cli, run_dirs
+
+    short = ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--test_after_fit=false"]
+    assert run_cli("fit", "--config", MLP_CONFIG, *short, run_root=tmp_path / "ok") == 0
+    (run,) = run_dirs(tmp_path / "ok")
+    assert not (run / "unfinished.json").exists()
+    crash = tmp_path / "crash.yaml"
+    crash.write_text("trainer:\n  callbacks+:\n    - class_path: tests.test_resume_contract.CrashAtStep\n")
+    with pytest.raises(RuntimeError, match="crashed on purpose"):
+        run_cli("fit", "--config", MLP_CONFIG, "--config", crash, *short, run_root=tmp_path / "bad")
+    (run,) = run_dirs(tmp_path / "bad")
+    info = json.loads((run / "unfinished.json").read_text())
+    assert info["stage"] == "fit" and info["ended"] == "crashed: RuntimeError: crashed on purpose at step 2"

@@ -387,6 +387,9 @@ def build_base(meta: dict[str, Any]) -> nn.Module:
 
     if meta.get("seed_everything") is not None:
         pl.seed_everything(int(meta["seed_everything"]), verbose=False)
+    if not meta.get("model"):
+        raise ArtifactError("the artifact names no model to build its base from (no 'model' in artifact.json); apply it "
+                            "onto a base you build: lowrank_lit.artifacts.load_artifact(path, base)")
     model = build_component("model", pl.LightningModule, meta["model"])
     if hasattr(model, "prepare_base"):  # the same preparation as at export (e.g. source pretraining)
         data = build_component("data", pl.LightningDataModule, meta["data"]) if meta.get("data") else None
