@@ -451,7 +451,7 @@ class LowrankCLI(LightningCLI):
         import json
 
         path = self.run_dir.path / UNFINISHED_FILE if self.run_dir is not None else None
-        if path is None or not is_rank_zero() or not path.is_file():
+        if path is None or not is_rank_zero() or not path.is_file() or not self._wrote_marker():
             return
         try:
             info = json.loads(path.read_text())
@@ -459,6 +459,11 @@ class LowrankCLI(LightningCLI):
             path.write_text(json.dumps(info, sort_keys=True) + "\n")
         except (OSError, ValueError):
             pass
+
+    def _wrote_marker(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        start = next((c for c in trainer.callbacks if isinstance(c, _RunStart)), None) if trainer is not None else None
+        return bool(start is not None and start.wrote)
 
     def _handle_run_error(self, exc: Exception) -> None:
         """An input error raised while the run was being set up becomes one line (see :meth:`_run_subcommand`)."""
@@ -476,7 +481,9 @@ class LowrankCLI(LightningCLI):
                               "(its run's config.yaml)") from exc
         if not isinstance(root, (ValueError, OSError, MisconfigurationException)) or self._batches_done():
             raise exc
-        if self.run_dir is not None and is_rank_zero():
+        if self.run_dir is not None and is_rank_zero():  # an input error: the run never started
+            if self._wrote_marker():
+                (self.run_dir.path / UNFINISHED_FILE).unlink(missing_ok=True)
             self._remove_if_unstarted(self.run_dir)
         raise ConfigError(setup_error(root, cfg)) from exc
 
@@ -569,57 +576,71 @@ class _LastValidation(pl.Callback):
 
 
 class _RunStart(pl.Callback):
-    """What a run says and leaves when it starts.
+    """What a run leaves when its first batch starts and says when that batch has run (training, the sanity check,
+    evaluation or prediction), after every class and callback was set up and a resumed checkpoint has loaded: a run
+    refused while it is set up or in its first batch (an input error) names no run and leaves nothing.
 
-    * ``lines`` (the run directory, the devices; set by the CLI) are printed on stdout when fit, test, validation or
-      prediction starts, after every class and callback was set up: a run refused while it is set up names no run.
-    * ``unfinished.json`` is written into the run directory (rank 0) once training or evaluating has started (after a
-      resumed checkpoint loaded); the CLI removes it when the command ends well and records in it how the run ended
-      otherwise. A run killed with SIGKILL keeps it as written. ``lowrank summarize`` leaves such runs out and counts
-      them.
+    * ``unfinished.json`` is written into the run directory (rank 0) when the first batch starts; the CLI removes it
+      when the command ends well (or is refused as an input error) and records in it how the run ended otherwise. A
+      run killed with SIGKILL keeps it as written. ``lowrank summarize`` leaves such runs out and counts them.
+    * ``lines`` (the run directory, the devices; set by the CLI) are printed on stdout when the first batch has run.
     """
 
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self._marked = False
+        #: this process wrote the run's unfinished.json (an earlier attempt's is never touched)
+        self.wrote = False
+
+    def _mark(self, trainer: pl.Trainer) -> None:
+        if self._marked:
+            return
+        self._marked = True
+        import json
+        import socket
+        import time
+
+        from lowrank_lit.report import artifact_path
+
+        if not trainer.is_global_zero or trainer.fast_dev_run or not trainer.loggers:
+            return
+        info = {"stage": str(getattr(trainer.state.fn, "value", trainer.state.fn)), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "pid": os.getpid(), "step": trainer.global_step}
+        with open(artifact_path(trainer, UNFINISHED_FILE), "w") as f:
+            f.write(json.dumps(info, sort_keys=True) + "\n")
+        self.wrote = True
 
     def _announce(self) -> None:
         for line in self.lines:
             print(line, flush=True)
         self.lines = []
 
-    def _write(self, trainer: pl.Trainer, stage: str) -> None:
-        import json
-        import socket
-        import time
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark(trainer)
 
-        from lowrank_lit.report import artifact_path, may_write
+    def on_validation_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark(trainer)
 
-        if trainer.sanity_checking or not may_write(trainer):
-            return
-        info = {"stage": stage, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
-                "pid": os.getpid(), "step": trainer.global_step}
-        with open(artifact_path(trainer, UNFINISHED_FILE), "w") as f:
-            f.write(json.dumps(info, sort_keys=True) + "\n")
+    def on_test_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark(trainer)
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_predict_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._mark(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._announce()
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._write(trainer, "fit")
-
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._announce()
-        if trainer.state.fn == "test":
-            self._write(trainer, "test")
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_test_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._announce()
-        if trainer.state.fn == "validate":
-            self._write(trainer, "validate")
 
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_predict_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._announce()
-        self._write(trainer, "predict")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._announce()  # a fit with nothing left to train (resumed at its end) still says where it ran
 
 
 def _ddp_for_the_model(cfg: Namespace) -> None:

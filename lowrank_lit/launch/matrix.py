@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonargparse.typing import PositiveInt
+from jsonargparse.typing import NonNegativeInt
 
 from lowrank_lit.argtypes import Seed
 from lowrank_lit.launch.checks import YamlFileError, load_yaml
@@ -456,7 +456,7 @@ def _run_cells(sweep: Path, study: str, folder: Path, n_trials: int | None, work
 
 
 def main(*, grid: str, config: str | None = None, root: str | None = None, jobs: int = 1, check: bool = False,
-         limit: PositiveInt | None = None, seeds: list[Seed] | None = None, pivot: str | None = None,
+         limit: NonNegativeInt | None = None, seeds: list[Seed] | None = None, pivot: str | None = None,
          extra: PassThrough = [], given: Typed = ()) -> int:  # noqa: B006
     """Run the cross product of config fragments over seeds (a grid sweep) and write one table and a heatmap per metric.
 
@@ -468,7 +468,7 @@ def main(*, grid: str, config: str | None = None, root: str | None = None, jobs:
         root: the matrix folder (default: runs/matrix/<grid name>)
         jobs: runs at once, each a `lowrank fit` subprocess (default 1)
         check: build every cell and report, run nothing
-        limit: run at most this many runs in this call (smoke)
+        limit: run at most this many runs in this call (smoke; 0 writes the cells and runs nothing)
         seeds: run (and tabulate) only these seeds of the grid's
         pivot: also write the first metric with this axis' components as columns (matrix_pivot.md)
         extra: the flags passed on to every run

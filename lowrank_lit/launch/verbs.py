@@ -212,7 +212,7 @@ def call(fn: Callable[..., int], argv: Sequence[str], prog: str,
         parser.print_help()
         return 0
     try:
-        parsed = parser.parse_args(own).as_dict()
+        parsed = {k: _plain(v) for k, v in parser.parse_args(own).as_dict().items()}
     except ArgumentError as exc:
         print(f"{prog}: error: {_one_line(exc, parser)}", file=sys.stderr)
         return 2
@@ -232,6 +232,20 @@ def call(fn: Callable[..., int], argv: Sequence[str], prog: str,
         else:
             positional.append(parsed.pop(name, param.default))
     return fn(*positional, **keywords)
+
+
+def _plain(value: Any) -> Any:
+    """A restricted number type's value (``PositiveInt``, ``Seed``: subclasses of int and float) as a plain number, in
+    lists too: what the verb gets is what it would get from Python (and what YAML and JSON can write)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value) if isinstance(value, list) else tuple(_plain(v) for v in value)
+    return value
 
 
 def _one_line(exc: BaseException, parser: Any) -> str:
