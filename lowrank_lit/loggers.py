@@ -112,6 +112,7 @@ class _KeepingWriter(ExperimentWriter):
 
     def __init__(self, log_dir: str) -> None:
         self._kept = False
+        self._hparams_saved = True  # nothing to write until log_hparams
         super().__init__(log_dir=log_dir)
 
     def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here, before anything is logged
@@ -119,15 +120,17 @@ class _KeepingWriter(ExperimentWriter):
 
     def log_hparams(self, params: dict[str, Any]) -> None:
         self.hparams.update(params)
+        self._hparams_saved = False
 
     def save(self) -> None:
         if not self._kept and (self.metrics or self.hparams):
             keep_previous(self.log_dir, self.NAME_METRICS_FILE)
             self._kept = True
-        if self.hparams:
+        if not self._hparams_saved:  # once per change, not at every flush of the metrics
             from lightning.pytorch.core.saving import save_hparams_to_yaml
 
             save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
+            self._hparams_saved = True
         super().save()
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lowrank_lit.launch.checks import experiment_from_configs, wandb_online_allowed
-from lowrank_lit.launch.run_dir import keep_previous_metrics, resolve_run_dir, slurm_run_id
+from lowrank_lit.launch.run_dir import resolve_run_dir, slurm_run_id
+from lowrank_lit.report import keep_previous
 
 
 def test_fresh_ids_never_reuse_a_directory(tmp_path):
@@ -25,7 +26,7 @@ def test_slurm_job_id_is_the_run_id(tmp_path, monkeypatch):
     again = resolve_run_dir(tmp_path, "exp")  # the requeued job
     assert again.path == first.path and again.resumed
     assert (first.path / "metrics.csv").is_file()  # nothing moved until the re-entry is accepted
-    keep_previous_metrics(again.path)
+    keep_previous(again.path, "metrics.csv")  # what the run's CSV logger does at its first save
     # Lightning's CSVLogger would delete metrics.csv; the previous attempt's metrics are kept aside
     assert (first.path / "metrics.1.csv").read_text() == "step\n1\n"
     assert first.wandb_id == again.wandb_id == "exp-4242"

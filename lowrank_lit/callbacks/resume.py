@@ -345,7 +345,7 @@ class ApplyResumeChanges(Callback):
         self._base_lrs = [list(getattr(cfg.scheduler, "base_lrs", []) or []) or None for cfg in trainer.lr_scheduler_configs]
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        scheduled = {id(opt) for cfg in trainer.lr_scheduler_configs for opt in [cfg.scheduler.optimizer]}
+        scheduled = {id(cfg.scheduler.optimizer) for cfg in trainer.lr_scheduler_configs}
         for i, (opt, built) in enumerate(zip(trainer.optimizers, self._built, strict=False)):
             for j, (group, new) in enumerate(zip(opt.param_groups, built, strict=False)):
                 for key, value in new.items():

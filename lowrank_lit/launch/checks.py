@@ -9,6 +9,7 @@ and the list of known-harmless messages that every run is spared.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import logging
@@ -521,6 +522,7 @@ class YamlFileError(ValueError):
     """A YAML file a command reads that cannot be used as it is; the message is one line naming the file (and line)."""
 
 
+@functools.cache
 def _strict_loader() -> type:
     """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the later one without a word)."""
     import yaml

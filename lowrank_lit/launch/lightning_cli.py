@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from jsonargparse import Namespace
@@ -40,7 +40,7 @@ from lowrank_lit.launch.checks import (
     stdout_is_terminal,
     wandb_online_allowed,
 )
-from lowrank_lit.launch.resume_contract import RESUME_CHANGES, ResumeChanges, check_resume, saved_config_path
+from lowrank_lit.launch.resume_contract import RESUME_CHANGES, ResumeChanges, check_resume, saved_config
 from lowrank_lit.launch.run_dir import (
     CLAIM_FILE,
     ENV_RUN_DIR,
@@ -54,6 +54,8 @@ from lowrank_lit.launch.run_dir import (
 from lowrank_lit.report import UNFINISHED_FILE
 
 __all__ = ["LowrankCLI", "RunStopped", "AlreadyFinished", "build_parser", "run_command"]
+
+CallbackT = TypeVar("CallbackT", bound=pl.Callback)
 
 quiet_known_noise()
 
@@ -183,7 +185,7 @@ class LowrankCLI(LightningCLI):
         silenced: they went to stderr."""
         super().after_instantiate_classes()
         trainer = getattr(self, "trainer", None)
-        start = next((c for c in trainer.callbacks if isinstance(c, _RunStart)), None) if trainer is not None else None
+        start = _callback(trainer, _RunStart)
         if trainer is None or start is None or not is_rank_zero() or self.subcommand is None:
             return
         run_dir = self.run_dir
@@ -212,7 +214,7 @@ class LowrankCLI(LightningCLI):
         from lightning.pytorch.utilities.model_helpers import is_overridden
 
         trainer = self.trainer
-        tracker = next((c for c in trainer.callbacks if isinstance(c, _LastValidation)), None)
+        tracker = _callback(trainer, _LastValidation)
         if tracker is None or tracker.step == trainer.global_step or trainer.global_step == 0:
             return
         if not is_overridden("validation_step", self.model) or not any(n > 0 for n in trainer.num_val_batches or [0]):
@@ -282,17 +284,13 @@ class LowrankCLI(LightningCLI):
         if not self._resuming:
             return
         own = os.path.abspath(str(path)).startswith(os.path.abspath(run_dir.path) + os.sep)
-        saved = saved_config_path(str(path))
-        if getattr(self, "_random_seed", False) and saved is not None:  # `true` drew a new seed: take the run's
-            try:
-                seed = (yaml.safe_load(saved.read_text()) or {}).get("seed_everything")
-            except (OSError, yaml.YAMLError):
-                seed = None
-            if isinstance(seed, int) and not isinstance(seed, bool):
-                cfg.seed_everything = seed
+        saved = saved_config(str(path))
+        seed = (saved[1] or {}).get("seed_everything")
+        if getattr(self, "_random_seed", False) and isinstance(seed, int) and not isinstance(seed, bool):
+            cfg.seed_everything = seed  # `true` drew a new seed: take the run's
         new = yaml.safe_load(self._parser(self.subcommand).dump(cfg, skip_none=False, skip_check=True)) or {}
         mode = cfg.get("resume_changes") or "refuse"
-        changes = check_resume(str(path), new, own_run=own, mode=mode)
+        changes = check_resume(str(path), new, own_run=own, mode=mode, saved=saved)
         self._apply_changes = mode == "apply"
         self.save_config_kwargs = {**self.save_config_kwargs, "resuming": True}
         if changes and is_rank_zero():
@@ -461,8 +459,7 @@ class LowrankCLI(LightningCLI):
             pass
 
     def _wrote_marker(self) -> bool:
-        trainer = getattr(self, "trainer", None)
-        start = next((c for c in trainer.callbacks if isinstance(c, _RunStart)), None) if trainer is not None else None
+        start = _callback(getattr(self, "trainer", None), _RunStart)
         return bool(start is not None and start.wrote)
 
     def _handle_run_error(self, exc: Exception) -> None:
@@ -489,8 +486,7 @@ class LowrankCLI(LightningCLI):
 
     def _restored(self) -> bool:
         """Whether fit got past loading its checkpoint (the training loop started)."""
-        trainer = getattr(self, "trainer", None)
-        tracker = next((c for c in trainer.callbacks if isinstance(c, _LastValidation)), None) if trainer else None
+        tracker = _callback(getattr(self, "trainer", None), _LastValidation)
         return tracker is None or tracker.train_started
 
     def _batches_done(self) -> int:
@@ -550,6 +546,11 @@ class LowrankCLI(LightningCLI):
         args.resume = args.get("resume") or "allow"  # a requeued SLURM job continues the same W&B run
         if args.get("project") in (None, "lightning_logs"):
             args.project = "lowrank_lit"
+
+
+def _callback(trainer: Any, cls: type[CallbackT]) -> CallbackT | None:
+    """The trainer's callback of class ``cls`` (None without a trainer or such a callback)."""
+    return next((c for c in trainer.callbacks if isinstance(c, cls)), None) if trainer is not None else None
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -657,10 +658,9 @@ def _ddp_for_the_model(cfg: Namespace) -> None:
         return
     if not getattr(cls, "ddp_find_unused_parameters", False):
         return
-    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
-    several = (isinstance(devices, int) and not isinstance(devices, bool) and devices > 1) or \
-        (isinstance(devices, list) and len(devices) > 1) or (isinstance(devices, str) and devices.isdigit()
-                                                              and int(devices) > 1) or nodes > 1
+    devices = trainer.get("devices")
+    count = len(devices) if isinstance(devices, list) else int(devices) if str(devices).isdigit() else 1  # "auto": 1
+    several = count > 1 or (trainer.get("num_nodes") or 1) > 1
     if str(trainer.get("strategy")) == "ddp" or (str(trainer.get("strategy")) == "auto" and several):
         trainer.strategy = "ddp_find_unused_parameters_true"
 

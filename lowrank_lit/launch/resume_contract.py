@@ -22,13 +22,14 @@ docs/cli.md ("Resuming a run") renders :data:`MAY_CHANGE` as its table (a test k
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 __all__ = ["MAY_CHANGE", "OBSERVERS", "ResumeChanges", "RESUME_CHANGES", "Change", "config_changes", "check_resume",
-           "saved_config_path", "may_change_markdown"]
+           "saved_config", "saved_config_path", "may_change_markdown"]
 
 #: what ``--resume_changes`` allows: ``refuse`` (the default) or ``apply``
 ResumeChanges = Literal["refuse", "apply"]
@@ -106,6 +107,20 @@ def _may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") or key.startswith(k + "[") for k in MAY_CHANGE)
 
 
+@functools.cache
+def _observer_classes() -> tuple[type, ...]:
+    """The classes of :data:`OBSERVERS` that import here."""
+    from lowrank_lit.launch.checks import import_dotted
+
+    found = []
+    for path in OBSERVERS:
+        try:
+            found.append(import_dotted(path))
+        except Exception:  # noqa: BLE001 - an observer that does not import here observes nothing
+            continue
+    return tuple(found)
+
+
 def _is_observer(class_path: Any) -> bool:
     from lowrank_lit.launch.checks import import_dotted
 
@@ -115,13 +130,7 @@ def _is_observer(class_path: Any) -> bool:
         cls = import_dotted(class_path)
     except Exception:  # noqa: BLE001 - a class that does not import is compared by its path
         return False
-    bases = []
-    for path in OBSERVERS:
-        try:
-            bases.append(import_dotted(path))
-        except Exception:  # noqa: BLE001
-            continue
-    return isinstance(cls, type) and issubclass(cls, tuple(bases))
+    return isinstance(cls, type) and issubclass(cls, _observer_classes())
 
 
 def _flatten(value: Any, key: str, out: dict[str, Any]) -> None:
@@ -150,12 +159,11 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     init arguments)."""
     old_flat: dict[str, Any] = {}
     new_flat: dict[str, Any] = {}
-    strip = ("trainer.callbacks",)
-    _flatten({k: v for k, v in old.items()}, "", old_flat)
-    _flatten({k: v for k, v in new.items()}, "", new_flat)
+    _flatten(old, "", old_flat)
+    _flatten(new, "", new_flat)
     changes = []
     for key in sorted(set(old_flat) | set(new_flat), key=lambda k: (k.count("."), k)):
-        if _may_change(key) or any(key == s or key.startswith(s + ".") for s in strip):
+        if _may_change(key) or key == "trainer.callbacks" or key.startswith("trainer.callbacks."):  # compared below
             continue
         a, b = old_flat.get(key, _ABSENT), new_flat.get(key, _ABSENT)
         if a != b:
@@ -187,6 +195,28 @@ def saved_config_path(ckpt_path: str | os.PathLike) -> Path | None:
     return path if path.is_file() else None
 
 
+def saved_config(ckpt_path: str | os.PathLike) -> tuple[Path | None, dict[str, Any] | None]:
+    """``(path, config)`` of the run that wrote ``ckpt_path`` (:func:`saved_config_path`); ``(None, None)`` when there
+    is none.
+
+    Raises:
+        ConfigError: the file is there but not readable (a resume could not check what changed).
+    """
+    import yaml
+
+    from lowrank_lit.launch.checks import ConfigError
+
+    path = saved_config_path(ckpt_path)
+    if path is None:
+        return None, None
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--ckpt_path={str(ckpt_path)!r}: the config of the run that wrote it ({path}) is not readable "
+                          f"({type(exc).__name__}); resuming cannot check what changed") from None
+    return path, config if isinstance(config, dict) else {}
+
+
 def _checkpoint_changes(ckpt_path: str, new: dict[str, Any]) -> list[Change]:
     """What a checkpoint without a ``config.yaml`` says about itself, against the new config: the model class of its
     hyperparameters and the callbacks whose state it holds."""
@@ -205,22 +235,15 @@ def _checkpoint_changes(ckpt_path: str, new: dict[str, Any]) -> list[Change]:
         changes.append(Change("model.class_path", theirs, ours))
     held = sorted({str(k).split("{", 1)[0] for k in (ckpt.get("callbacks") or {})})
     ours_cbs = {n for n, _ in _stateful_callbacks(new)}
-    from lowrank_lit.launch.checks import import_dotted
-
-    observer_names = set()
-    for path in OBSERVERS:
-        try:
-            cls = import_dotted(path)
-        except Exception:  # noqa: BLE001
-            continue
-        observer_names.add(cls.__qualname__)
-    missing = [n for n in held if n not in ours_cbs and n not in observer_names and not n.endswith(("Checkpoint", "Bar"))]
+    observer_names = {cls.__qualname__ for cls in _observer_classes()}
+    missing = [n for n in held if n not in ours_cbs and n not in observer_names]
     if missing:
         changes.append(Change("trainer.callbacks", missing, sorted(ours_cbs)))
     return changes
 
 
-def check_resume(ckpt_path: str, new: dict[str, Any], *, own_run: bool, mode: str = "refuse") -> list[Change]:
+def check_resume(ckpt_path: str, new: dict[str, Any], *, own_run: bool, mode: str = "refuse",
+                 saved: tuple[Path | None, dict[str, Any] | None] | None = None) -> list[Change]:
     """Compare the config a resume runs with (``new``, resolved as ``config.yaml`` holds it) with the config of the
     run that wrote ``ckpt_path``.
 
@@ -229,6 +252,7 @@ def check_resume(ckpt_path: str, new: dict[str, Any], *, own_run: bool, mode: st
         new: the resumed run's resolved config.
         own_run: the checkpoint belongs to the run directory being re-entered (``--ckpt_path last``, a requeue).
         mode: ``refuse`` raises on any change outside :data:`MAY_CHANGE`; ``apply`` returns them.
+        saved: :func:`saved_config` of ``ckpt_path`` when the caller has read it already.
 
     Returns:
         The changes (empty when there are none; only ``apply`` returns a non-empty list).
@@ -236,26 +260,16 @@ def check_resume(ckpt_path: str, new: dict[str, Any], *, own_run: bool, mode: st
     Raises:
         ConfigError: one line listing each differing key with the checkpoint's and the new value.
     """
-    import yaml
-
     from lowrank_lit.launch.checks import ConfigError
 
     if mode not in RESUME_CHANGES:
         raise ConfigError(f"--resume_changes={mode!r}; allowed: {', '.join(RESUME_CHANGES)}")
-    saved = saved_config_path(ckpt_path)
-    if saved is not None:
-        try:
-            old = yaml.safe_load(saved.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"--ckpt_path={ckpt_path!r}: the config of the run that wrote it ({saved}) is not readable "
-                              f"({type(exc).__name__}); resuming cannot check what changed") from None
-        changes = config_changes(old if isinstance(old, dict) else {}, new)
-    else:
-        changes = _checkpoint_changes(ckpt_path, new)
+    path, old = saved if saved is not None else saved_config(ckpt_path)
+    changes = config_changes(old, new) if old is not None else _checkpoint_changes(ckpt_path, new)
     if not changes or mode == "apply":
         return changes
     shown = "; ".join(str(c) for c in changes[:6]) + (f"; and {len(changes) - 6} more" if len(changes) > 6 else "")
-    whose = "this run was trained with" if own_run else f"the run that wrote it was trained with ({saved or 'the checkpoint'})"
+    whose = "this run was trained with" if own_run else f"the run that wrote it was trained with ({path or 'the checkpoint'})"
     raise ConfigError(
         f"--ckpt_path={ckpt_path!r}: the resumed config changes {len(changes)} key(s) {whose}, which the checkpoint "
         f"would silently restore or cannot load: {shown}; drop the change(s), or add --resume_changes=apply to apply "

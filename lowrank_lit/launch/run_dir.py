@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["RunDir", "RunDirError", "slurm_run_id", "new_run_id", "resolve_run_dir", "claim_run_dir", "release_claims",
-           "keep_previous_metrics", "newest_checkpoint", "check_run_root", "ENV_RUN_DIR", "CLAIM_FILE"]
+           "newest_checkpoint", "check_run_root", "ENV_RUN_DIR", "CLAIM_FILE"]
 
 ENV_RUN_DIR = "LOWRANK_RUN_DIR"
 #: the file that claims a run directory for one live run (removed when the run ends)
@@ -240,14 +240,6 @@ def release_claims() -> None:
 
 
 atexit.register(release_claims)
-
-
-def keep_previous_metrics(path: Path) -> None:
-    """Lightning's CSVLogger deletes an existing ``metrics.csv``; move it to ``metrics.<n>.csv`` first (the CSV logger
-    of every ``lowrank`` run, :class:`lowrank_lit.loggers.CSVLogger`, does so at its first save)."""
-    from lowrank_lit.report import keep_previous
-
-    keep_previous(path, "metrics.csv")
 
 
 def resolve_run_dir(run_root: str | os.PathLike, experiment: str, run_id: str | None = None,

@@ -243,8 +243,10 @@ def _plain(value: Any) -> Any:
         return int(value)
     if isinstance(value, float):
         return float(value)
-    if isinstance(value, list | tuple):
-        return type(value)(_plain(v) for v in value) if isinstance(value, list) else tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
     return value
 
 
