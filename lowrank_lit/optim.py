@@ -11,6 +11,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from lowrank_lit.nn.targets import match_names
+from lowrank_lit.sharding import is_sharded, owners, whole_matrix_update
 
 __all__ = ["WarmupCosineLR", "linear_warmup", "matrix_param_groups", "SeededOptimizer"]
 
@@ -128,12 +129,17 @@ class SeededOptimizer(torch.optim.Optimizer):
       to its parameter's floating dtype and turn a string into the text of a generator object.
     * :meth:`step` handles the closure, skips parameters without a gradient, refuses sparse ones and
       counts ``state["step"]``; subclasses write :meth:`update` for one parameter.
+    * Sharded parameters (FSDP2 DTensors, :class:`lowrank_lit.sharding.ShardedStrategy`): an update that reads the
+      whole matrix runs whole on the rank that owns the parameter (:func:`lowrank_lit.sharding.whole_matrix_update`),
+      so it equals the one-process update and the state lives on the owner; an :meth:`elementwise` one runs on each
+      shard. Either way each rank holds about 1/world of the state.
     * :meth:`check_adam` validates the Adam hyperparameters of a param group; :meth:`state_bytes`
       reports the memory held in the state.
     """
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int | None = None) -> None:
         self.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63 if seed is None else seed)
+        self._owners: dict[int, int] | None = None  # sharded runs: the rank that updates each parameter
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -150,9 +156,30 @@ class SeededOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self.state[p]
                 t = state.get("step", 0)
-                self.update(p, p.grad, state, group, t)
+                if is_sharded(p) and self.elementwise(p, group):
+                    self.update(p.to_local(), p.grad.to_local(), state, group, t)
+                elif is_sharded(p):
+                    self._sharded_update(p, state, group, t)
+                else:
+                    self.update(p, p.grad, state, group, t)
                 state["step"] = t + 1
         return loss
+
+    def elementwise(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
+        """Whether the update of ``p`` in ``group`` is elementwise (reads no other entry, draws nothing): a sharded
+        parameter is then updated shard by shard, its state sharded with it. Default: False (whole matrix)."""
+        return False
+
+    def _sharded_update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int) -> None:
+        """A sharded parameter (FSDP2 DTensor) is updated whole on the rank that owns it
+        (:func:`lowrank_lit.sharding.whole_matrix_update`): the update equals the one-process update, and the state of
+        a parameter lives on its owner only."""
+        import torch.distributed as dist
+
+        if self._owners is None:
+            sharded = [q for g in self.param_groups for q in g["params"] if is_sharded(q)]
+            self._owners = owners(sharded, dist.get_world_size())
+        whole_matrix_update(p, self._owners[id(p)], lambda w, g: self.update(w, g, state, group, t), self.generator)
 
     def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int) -> None:
         """Update parameter ``p`` in place at step ``t`` (0-based) from ``grad``."""

@@ -249,6 +249,7 @@ class LowrankCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         check_values(cfg, self.subcommand)  # before a run directory exists: a bad input leaves nothing behind
         _ddp_for_the_model(cfg)
+        _sharding_for_the_model(cfg)
         self._templates = resolve_path_templates(cfg)  # {seed}, {torso}: filled once, here; classes get plain paths
         check_input_files(cfg)
         experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
@@ -663,6 +664,27 @@ def _ddp_for_the_model(cfg: Namespace) -> None:
     several = count > 1 or (trainer.get("num_nodes") or 1) > 1
     if str(trainer.get("strategy")) == "ddp" or (str(trainer.get("strategy")) == "auto" and several):
         trainer.strategy = "ddp_find_unused_parameters_true"
+
+
+def _sharding_for_the_model(cfg: Namespace) -> None:
+    """A sharded run (``trainer.strategy: ShardedStrategy``, configs/base/trainer_fsdp.yaml) of a model that does not
+    run sharded stops here in one line with the reason, before any process starts."""
+    trainer, model = cfg.get("trainer"), cfg.get("model")
+    strategy = trainer.get("strategy") if trainer is not None else None
+    path = strategy.get("class_path") if isinstance(strategy, Namespace) else strategy
+    if not (isinstance(path, str) and path.rsplit(".", 1)[-1] == "ShardedStrategy"):
+        return
+    if not isinstance(model, Namespace) or not isinstance(model.get("class_path"), str):
+        return
+    from lowrank_lit.sharding import sharding_refusal
+
+    try:
+        cls = import_dotted(model.class_path)
+    except Exception:  # noqa: BLE001 - the parser has said what it could not import
+        return
+    reason = sharding_refusal(cls) if isinstance(cls, type) else None
+    if reason:
+        raise ConfigError(reason)
 
 
 def _finished_with(cfg: Namespace, run_dir: RunDir) -> bool:

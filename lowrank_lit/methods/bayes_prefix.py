@@ -63,6 +63,7 @@ from lowrank_lit.report import (
     read_runs,
     save_figure,
 )
+from lowrank_lit.sharding import Shardable
 
 __all__ = [
     "SequencePredictor", "sequence_log_loss", "cumulative_regret", "exact_prefix_curves", "exact_prefix_regret", "MetaPretrainModule",
@@ -245,7 +246,7 @@ def _check_prefix_len(prefix_len: Any, where: str) -> int:
     return prefix_len
 
 
-class _CoinModule(pl.LightningModule):
+class _CoinModule(Shardable, pl.LightningModule):
     """Shared evaluation: regret curves against the target's exact Bayes predictor, exact prefix baselines."""
 
     predictor: SequencePredictor

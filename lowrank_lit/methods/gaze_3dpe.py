@@ -45,6 +45,7 @@ from lowrank_lit.report import (
     read_runs,
     save_figure,
 )
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["angular_loss", "gaze_zone", "ZONES", "gaze_align_loss", "domain_repel_loss", "ConceptBank", "ParamEncoder",
            "ParamEncoderModule", "landmark_error", "FacePriorGazePredictor", "ThreeDPEGaze"]
@@ -214,7 +215,7 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
-class ParamEncoderModule(pl.LightningModule):
+class ParamEncoderModule(Shardable, pl.LightningModule):
     """Pretrains :class:`ParamEncoder` on the prior domain (MSE on standardised parameters; no gaze labels).
 
     Args:
@@ -309,7 +310,7 @@ def _load_encoder(encoder: ParamEncoder, ckpt: str) -> None:
 
 
 @register_method("gaze_3dpe", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
-class ThreeDPEGaze(pl.LightningModule):
+class ThreeDPEGaze(Shardable, pl.LightningModule):
     """Gaze estimation with the frozen face prior, landmark cross-attention and text concepts (module docstring).
 
     Logged: ``train/loss`` (and its parts), ``val/angle_deg``; per test domain ``test/<domain>/angle_deg`` and the

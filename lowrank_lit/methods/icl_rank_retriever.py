@@ -56,6 +56,7 @@ from lowrank_lit.data.icl import ICL_LOSSES, ICLWorld, ScoreCache, normalised_op
 from lowrank_lit.optim import linear_warmup
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import artifact_path, markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.sharding import Shardable
 
 __all__ = [
     "sedpo_loss", "sedpo_loss_from_scores", "inbatch_infonce_loss", "PreferencePairBuilder", "LikelihoodScorer",
@@ -433,7 +434,7 @@ class ScoreCacheWriter(BasePredictionWriter):
         ScoreCache(directory, f"rank{trainer.global_rank}").append(prediction)
 
 
-class ICLScoringModule(pl.LightningModule):
+class ICLScoringModule(Shardable, pl.LightningModule):
     """``lowrank predict`` over the (query, candidate) jobs of a TextICLDataModule: scores them into its cache.
 
     Each rank gets a shard of the jobs (Lightning's distributed sampler) and writes its own cache shard;
@@ -479,7 +480,7 @@ def _n(x: Any) -> int:
 
 
 @register_method("icl_rank_retriever", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
-class ICLRetrieverModule(pl.LightningModule):
+class ICLRetrieverModule(Shardable, pl.LightningModule):
     """A bi-encoder in-context example retriever trained with SeDPO, InfoNCE or both.
 
     Batches come from :class:`~lowrank_lit.data.icl.SyntheticICLDataModule` or

@@ -183,6 +183,9 @@ class LowRankAdam(SeededOptimizer):
                     total += size * 2 * p.numel()
         return total
 
+    def elementwise(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
+        return not group["lowrank"]  # AdamW outside the low-rank groups
+
     def _side(self, shape: torch.Size, proj_type: str) -> str:
         m, n = shape
         if proj_type == "left" or proj_type == "right":

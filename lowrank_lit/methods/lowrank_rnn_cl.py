@@ -51,6 +51,7 @@ from lowrank_lit.report import (
     save_rows,
 )
 from lowrank_lit.seeding import run_seed
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["ComposedLowRankRNN", "EpochHMM", "check_context", "VanillaRNN", "CognitiveStreamDataModule", "WhatHowModule",
            "state_holding", "hold_loss"]
@@ -500,7 +501,7 @@ def state_holding(states: torch.Tensor, epochs: torch.Tensor, theta: torch.Tenso
 
 
 @register_method("lowrank_rnn_cl", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
-class WhatHowModule(pl.LightningModule):
+class WhatHowModule(Shardable, pl.LightningModule):
     """Continual learning over the task stream of :class:`CognitiveStreamDataModule`.
 
     ``method``: ``what_how`` (context inferred by the :class:`EpochHMM`, which first observes ``what_trials`` trials

@@ -49,6 +49,7 @@ from lowrank_lit.report import (
     save_rows,
 )
 from lowrank_lit.seeding import run_seed
+from lowrank_lit.sharding import Shardable
 
 __all__ = [
     "MaskedBlockDataModule", "masked_block_batch", "LinearAttentionTransformer", "MaskedBlockICL",
@@ -224,7 +225,7 @@ class LinearAttentionTransformer(nn.Module):
 
 
 @register_method("masked_block_icl", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
-class MaskedBlockICL(pl.LightningModule):
+class MaskedBlockICL(Shardable, pl.LightningModule):
     """Train a :class:`LinearAttentionTransformer` on masked-block completion with MSE on D.
 
     Logs ``train/loss`` (the MSE on D), ``{val,test}/mse`` and ``{val,test}/mse_zero`` (the zero predictor); at test the medians over

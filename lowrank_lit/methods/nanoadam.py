@@ -43,6 +43,7 @@ from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.optim import SeededOptimizer, adam_moments_, bias_corrections
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import Run, class_label, markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.sharding import full_tensor
 
 __all__ = ["NanoAdam", "bottom_k_mask", "select_indices", "kept_count", "grad_weight_correlation", "GradWeightCorrelation"]
 
@@ -209,15 +210,18 @@ class NanoAdam(SeededOptimizer):
 
     # -- step --------------------------------------------------------------------------------------
 
+    def elementwise(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
+        return not (group["nano"] and p.ndim >= 2)  # dense Adam
+
     def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         b1, b2 = group["betas"]
         if group["nano"] and p.ndim >= 2:
-            self._nano_update(p, state, group, t, lr, wd, eps, b1, b2)
+            self._nano_update(p, grad, state, group, t, lr, wd, eps, b1, b2)
         else:
-            self._dense_update(p, state, lr, wd, eps, b1, b2)
+            self._dense_update(p, grad, state, lr, wd, eps, b1, b2)
 
-    def _nano_update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int,
+    def _nano_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int,
                      lr: float, wd: float, eps: float, b1: float, b2: float) -> None:
         k = state.get("k")
         refresh_k = group["density_interval"] is not None and t % group["density_interval"] == 0
@@ -233,7 +237,7 @@ class NanoAdam(SeededOptimizer):
         flat = p.view(-1)
         idx = state["idx"]
         if self.compact_state:
-            g = p.grad.reshape(-1)[idx]  # (k,)
+            g = grad.reshape(-1)[idx]  # (k,)
             m, v = state["exp_avg"], state["exp_avg_sq"]
             adam_moments_(m, v, g, b1, b2)
             upd = (m / bc1) / ((v / bc2).sqrt() + eps)
@@ -243,7 +247,7 @@ class NanoAdam(SeededOptimizer):
             flat[idx] = w - lr * upd
         else:
             mask = state["mask"]
-            g = torch.where(mask, p.grad.reshape(-1), torch.zeros((), dtype=p.dtype, device=p.device))
+            g = torch.where(mask, grad.reshape(-1), torch.zeros((), dtype=p.dtype, device=p.device))
             m, v = state["exp_avg"], state["exp_avg_sq"]
             adam_moments_(m, v, g, b1, b2)
             upd = (m / bc1) / ((v / bc2).sqrt() + eps)
@@ -251,13 +255,13 @@ class NanoAdam(SeededOptimizer):
             flat.copy_(torch.where(mask, new, flat))
 
     @staticmethod
-    def _dense_update(p: torch.Tensor, state: dict[str, Any], lr: float, wd: float, eps: float, b1: float, b2: float) -> None:
+    def _dense_update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], lr: float, wd: float, eps: float, b1: float, b2: float) -> None:
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
         bc1, bc2 = bias_corrections(b1, b2, state.get("step", 0) + 1)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        adam_moments_(m, v, p.grad, b1, b2)
+        adam_moments_(m, v, grad, b1, b2)
         if wd:
             p.mul_(1 - lr * wd)
         p.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
@@ -271,14 +275,16 @@ def _intersect(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def grad_weight_correlation(module: nn.Module, min_dim: int = 2) -> dict[str, float]:
-    """Spearman correlation of ``|theta|`` and ``|grad|`` for every parameter with a gradient."""
+    """Spearman correlation of ``|theta|`` and ``|grad|`` for every parameter with a gradient (sharded parameters are
+    gathered: call it on every rank)."""
     from torchmetrics.functional import spearman_corrcoef
 
     out = {}
     for name, p in module.named_parameters():
         if p.grad is None or p.ndim < min_dim or p.numel() < 3:
             continue
-        a, b = p.detach().abs().reshape(-1).double(), p.grad.detach().abs().reshape(-1).double()
+        weight, grad = full_tensor(p.detach()), full_tensor(p.grad.detach())  # whole, on every rank, when sharded
+        a, b = weight.abs().reshape(-1).double(), grad.abs().reshape(-1).double()
         if a.std() == 0 or b.std() == 0:
             continue
         out[name] = float(spearman_corrcoef(a, b))

@@ -24,7 +24,7 @@ Indefinite ``A`` (the paper's Theorem 4.1 setting): :func:`best_rank_p_inverse` 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -173,6 +173,8 @@ class PinvBoundStudy(pl.LightningModule):
     Args:
         plot: save the log-log plot. Default: True.
     """
+
+    sharding_refusal: ClassVar[str | None] = "a numerical study of matrix bounds (lowrank test); it has no trained weights to shard"
 
     def __init__(self, plot: bool = True) -> None:
         super().__init__()

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
@@ -63,6 +64,7 @@ from lowrank_lit.report import (
     save_figure,
     save_rows,
 )
+from lowrank_lit.sharding import full_tensor, is_sharded, owners, whole_matrix_update
 
 __all__ = [
     "EPS_SCHEDULES",
@@ -228,31 +230,55 @@ class Q3RRegularizer:
         self.eps_decay_steps = hp.eps_decay_steps
         self.eps_min = hp.eps_min
         self.steps = 0  # optimizer steps taken (the schedule clock)
+        self._owners: dict[int, int] | None = None  # sharded weights: the rank holding each one's bases
         for t in targets:
             t.rank = _resolve_rank(hp.target_rank, *t.shape, t.name)
 
     # ------------------------------------------------------------------ operator
     def refresh(self) -> None:
-        """Recompute eps, the envelope rank and the singular bases of every target (float32)."""
+        """Recompute eps, the envelope rank and the singular bases of every target (float32). A sharded weight is
+        gathered and refreshed on the rank that owns it (see :meth:`step`)."""
         for t in self.targets:
-            W = t.weight.detach().float()
-            if not torch.isfinite(W).all():
-                raise RuntimeError(f"Q3R: non-finite weights in {t.name!r} at step {self.steps}")
-            U, S, Vh = torch.linalg.svd(W, full_matrices=False)  # (d1, m), (m,), (m, d2)
-            sigma_next = float(S[t.rank])
-            if t.eps0 is None:
-                t.eps0 = sigma_next
-            if self.eps_schedule == "default":
-                t.eps = min(t.eps, sigma_next)
-            elif self.eps_schedule == "exploration":
-                t.eps = sigma_next
-            elif self.eps_schedule == "constant":
-                t.eps = t.eps0
-            else:  # linear: geometric interpolation from eps0 to eps_min
-                frac = min(self.steps, self.eps_decay_steps) / self.eps_decay_steps
-                t.eps = t.eps0 * (self.eps_min / t.eps0) ** frac if t.eps0 > 0 else 0.0
-            t.r_env = int((S > t.eps).sum())
-            t.U, t.V, t.sigma = U[:, : t.r_env].contiguous(), Vh[: t.r_env].T.contiguous(), S
+            owner = self._owner(t)
+            if owner is None:
+                self._refresh(t, t.weight.detach().float())
+                continue
+            W = full_tensor(t.module.weight.detach())[t.rows].float()  # (d1, d2), gathered on every rank
+            if dist.get_rank() == owner:
+                self._refresh(t, W)
+            shared = [(t.eps, t.eps0, t.r_env)]  # every rank logs and schedules alike; the bases stay on the owner
+            dist.broadcast_object_list(shared, src=owner)
+            t.eps, t.eps0, t.r_env = shared[0]
+
+    def _refresh(self, t: Q3RTarget, W: torch.Tensor) -> None:
+        if not torch.isfinite(W).all():
+            raise RuntimeError(f"Q3R: non-finite weights in {t.name!r} at step {self.steps}")
+        U, S, Vh = torch.linalg.svd(W, full_matrices=False)  # (d1, m), (m,), (m, d2)
+        sigma_next = float(S[t.rank])
+        if t.eps0 is None:
+            t.eps0 = sigma_next
+        if self.eps_schedule == "default":
+            t.eps = min(t.eps, sigma_next)
+        elif self.eps_schedule == "exploration":
+            t.eps = sigma_next
+        elif self.eps_schedule == "constant":
+            t.eps = t.eps0
+        else:  # linear: geometric interpolation from eps0 to eps_min
+            frac = min(self.steps, self.eps_decay_steps) / self.eps_decay_steps
+            t.eps = t.eps0 * (self.eps_min / t.eps0) ** frac if t.eps0 > 0 else 0.0
+        t.r_env = int((S > t.eps).sum())
+        t.U, t.V, t.sigma = U[:, : t.r_env].contiguous(), Vh[: t.r_env].T.contiguous(), S
+
+    def _owner(self, t: Q3RTarget) -> int | None:
+        """The rank that holds the bases of a sharded target (None when its weight is not sharded): the weights are
+        spread over the ranks by :func:`lowrank_lit.sharding.owners`, all row slices of one weight on one rank."""
+        weight = t.module.weight
+        if not is_sharded(weight):
+            return None
+        if self._owners is None:
+            unique = list({id(x.module.weight): x.module.weight for x in self.targets}.values())
+            self._owners = owners(unique, dist.get_world_size())
+        return self._owners[id(weight)]
 
     @staticmethod
     def apply(t: Q3RTarget, X: torch.Tensor) -> torch.Tensor:
@@ -289,8 +315,16 @@ class Q3RRegularizer:
         if self.lam > 0:
             for t in self.targets:
                 W = t.module.weight
-                lr = lr_of(W)
-                W[t.rows] -= (lr * 2.0 * self.lam) * self.apply(t, W[t.rows])
+                c = lr_of(W) * 2.0 * self.lam
+
+                def penalty_step(w: torch.Tensor, _grad: Any, t: Q3RTarget = t, c: float = c) -> None:
+                    w[t.rows] -= c * self.apply(t, w[t.rows])
+
+                owner = self._owner(t)
+                if owner is None:
+                    penalty_step(W, None)
+                else:  # gathered, stepped on the owner (which holds the bases), scattered back
+                    whole_matrix_update(W, owner, penalty_step, with_grad=False)
         self.steps += 1
 
     # ------------------------------------------------------------------ diagnostics and state
@@ -298,22 +332,33 @@ class Q3RRegularizer:
         """Per target: eps, envelope rank, effective rank (exp of the singular-value entropy), penalty."""
         out = {}
         for t in self.targets:
-            if t.sigma is None:
-                continue
-            erank = entropy_rank(t.sigma)
-            W = t.weight.detach()
-            value = float((W.float() * self.apply(t, W).float()).sum())
-            out[t.name] = {"eps": t.eps, "r_env": float(t.r_env), "erank": erank, "penalty": self.lam * value}
+            owner = self._owner(t)
+            W = (t.weight if owner is None else full_tensor(t.module.weight)[t.rows]).detach()
+            row = None
+            if t.sigma is not None:
+                value = float((W.float() * self.apply(t, W).float()).sum())
+                row = {"eps": t.eps, "r_env": float(t.r_env), "erank": entropy_rank(t.sigma), "penalty": self.lam * value}
+            if owner is not None:  # computed where the bases are, known to every rank
+                shared = [row]
+                dist.broadcast_object_list(shared, src=owner)
+                row = shared[0]
+            if row is not None:
+                out[t.name] = row
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "targets": {
-                t.name: {"eps": t.eps, "eps0": t.eps0, "r_env": t.r_env, "U": t.U, "V": t.V, "sigma": t.sigma}
-                for t in self.targets
-            },
-        }
+        """The schedule clock and each target's operator; under sharding every rank returns the whole of it (each
+        target's bases taken from its owner), so a consolidated checkpoint resumes on any number of processes."""
+        targets = {}
+        for t in self.targets:
+            row = {"eps": t.eps, "eps0": t.eps0, "r_env": t.r_env, "U": t.U, "V": t.V, "sigma": t.sigma}
+            owner = self._owner(t)
+            if owner is not None:
+                shared = [row]
+                dist.broadcast_object_list(shared, src=owner)
+                row = shared[0]
+            targets[t.name] = row
+        return {"steps": self.steps, "targets": targets}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])

@@ -57,6 +57,7 @@ from lowrank_lit.report import (
     save_rows,
 )
 from lowrank_lit.seeding import run_seed
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["InfeasibleAnchorError", "tilt", "constraint_value", "dual_objective", "solve_dual", "safe_adapt",
            "sample_weights", "tabular_policy_gradient", "hessian_free_meta_grad", "second_order_meta_grad",
@@ -408,7 +409,7 @@ class _MetaTestMixin:
 
 
 @register_method("safe_meta_rl", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
-class SafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
+class SafeMetaRLModule(Shardable, _MetaTestMixin, pl.LightningModule):
     """Safe meta-training of tabular softmax logits on a :class:`lowrank_lit.envs.SafeGridNav` family, and
     meta-testing by ``adapt_steps`` successive adaptation steps on each held-out task (manual optimisation).
 
@@ -644,7 +645,7 @@ def summary(roots: list[str], out: str | None = None) -> str:
                            "meta-step (ms)"], table)
 
 
-class NeuralSafeMetaRLModule(_MetaTestMixin, pl.LightningModule):
+class NeuralSafeMetaRLModule(Shardable, _MetaTestMixin, pl.LightningModule):
     """Safe meta-RL with a Gaussian policy network on a continuous task family (:mod:`lowrank_lit.envs.continuous`).
 
     Rollouts run inside the module (manual optimisation). Adaptation (inferred, module docstring): GAE(lambda)

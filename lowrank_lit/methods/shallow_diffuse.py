@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -404,6 +404,8 @@ class ShallowDiffuseEval(pl.LightningModule):
         analysis: compute the dense Jacobian analysis (null-space fraction, rank ratios); off for large latents
             (Stable Diffusion's d = 16384). Default: True.
     """
+
+    sharding_refusal: ClassVar[str | None] = "it evaluates watermarks of a trained denoiser (lowrank test); train the denoiser sharded with DiffusionTrainer"
 
     def __init__(self, denoiser: nn.Module, method: str = "shallow_diffuse", t_frac: float = 0.3, radius: int | None = None,
                  channel: int = 0, key_rng: int = 42, steps: int = 50, attacks: list[str] | None = None,

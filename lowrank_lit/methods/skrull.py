@@ -53,6 +53,7 @@ from torch import nn
 
 from lowrank_lit.registry import register_method
 from lowrank_lit.report import markdown_table, new_figure, read_runs, save_figure
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["SkrullSFTModule", "SkrullPlanner", "micro_batch_loss", "SchedulingError", "SkrullCostModel", "fit_memory", "saved_tensor_bytes", "dacp_plan", "gds_plan",
            "baseline_plan", "sorted_plan", "dacp_only_plan", "skrull_plan", "simulate_iteration", "plan_tokens"]
@@ -468,7 +469,7 @@ def micro_batch_loss(model: Any, seqs: Sequence[torch.Tensor], total_targets: in
 
 
 @register_method("skrull", kind="LightningModule", paper=PAPER, summary="summary", bench="bench")
-class SkrullSFTModule(pl.LightningModule):
+class SkrullSFTModule(Shardable, pl.LightningModule):
     """Causal LM fine-tuning over Skrull-scheduled micro-batches (manual optimisation, one step per global batch).
 
     Each training batch is this DP rank's share of one global batch (:class:`lowrank_lit.data.packed.SkrullBatchSampler`):

@@ -18,6 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lowrank_lit.optim import WarmupCosineLR, matrix_param_groups
 from lowrank_lit.registry import register_method
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["ImageClassifier"]
 
@@ -30,7 +31,7 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 @register_method("baseline", kind="LightningModule", paper="Supervised baseline (backbone + cross-entropy)")
-class ImageClassifier(pl.LightningModule):
+class ImageClassifier(Shardable, pl.LightningModule):
     """Backbone + cross-entropy, logging ``{train,val,test}/{loss,acc}``.
 
     Args:

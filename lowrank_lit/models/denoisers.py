@@ -27,6 +27,7 @@ from torch import nn
 
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.hub import from_pretrained
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["linear_alphas_cumprod", "GaussianPMP", "MixtureLowRankGaussianPMP", "UNetEps", "DiffusionTrainer", "digits_images",
            "DigitsMoLRG", "DigitsGaussianPMP", "TrainedUNetEps", "StableDiffusionEps"]
@@ -241,7 +242,7 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-class DiffusionTrainer(pl.LightningModule):
+class DiffusionTrainer(Shardable, pl.LightningModule):
     """Trains an eps-prediction network with ``|| eps - eps_theta(sqrt(abar) x_0 + sqrt(1 - abar) eps, t) ||^2``,
     t uniform in 0..T-1. Logs ``train/loss`` and ``val/loss``; batches ``(x_0, ...)`` in [-1, 1].
 

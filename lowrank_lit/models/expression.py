@@ -25,6 +25,7 @@ from torchmetrics import CatMetric
 from torchmetrics.functional import pearson_corrcoef, spearman_corrcoef
 
 from lowrank_lit.report import may_write, save_rows
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["GeneExpressionRegressor", "groupwise_correlation"]
 
@@ -68,7 +69,7 @@ def groupwise_correlation(pred: torch.Tensor, truth: torch.Tensor, groups: torch
     return torch.stack(per_group).mean(dim=0)
 
 
-class GeneExpressionRegressor(pl.LightningModule):
+class GeneExpressionRegressor(Shardable, pl.LightningModule):
     """Backbone ``x (B, D) -> pred (B, G)`` trained with ``loss(pred, counts, groups)``.
 
     Logs ``train/loss`` and ``{val,test}/{spearman,pearson}`` (mean over genes of the gene-wise

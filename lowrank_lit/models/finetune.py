@@ -24,6 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lowrank_lit.argtypes import LearningRate
 from lowrank_lit.optim import matrix_param_groups
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["SplitClassFinetune"]
 
@@ -32,7 +33,7 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-class SplitClassFinetune(pl.LightningModule):
+class SplitClassFinetune(Shardable, pl.LightningModule):
     """Pretrain on the source classes, then fine-tune body + new head on the target classes.
 
     Needs :class:`lowrank_lit.data.digits.DigitsSplitDataModule` (or any datamodule with
@@ -121,6 +122,13 @@ class SplitClassFinetune(pl.LightningModule):
         self.theta_pre.copy_(self.body_vector())
         self.pretrained.fill_(True)
         return loss
+
+    def configure_model(self) -> None:
+        if getattr(self, "device_mesh", None) is not None and self.trainer.state.fn == "fit":
+            # sharded: each rank pretrains the whole model alike (seeded) before it is sharded, since the pretraining
+            # loop runs outside the training steps that gather the sharded weights
+            self.prepare_base(self.trainer.datamodule)
+        super().configure_model()
 
     def on_fit_start(self) -> None:
         loss = self.prepare_base(self.trainer.datamodule)  # a resumed run keeps its pretrained weights and reference

@@ -22,6 +22,7 @@ from torch import nn
 from lowrank_lit.checkpoint import load_checkpoint
 from lowrank_lit.hub import from_pretrained
 from lowrank_lit.optim import WarmupCosineLR, matrix_param_groups
+from lowrank_lit.sharding import Shardable
 
 __all__ = ["llama", "CausalLanguageModel", "PaddedCausalLM"]
 
@@ -63,7 +64,7 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3)
 
 
-class CausalLanguageModel(pl.LightningModule):
+class CausalLanguageModel(Shardable, pl.LightningModule):
     """Next-token training of a causal LM ``backbone(input_ids) -> logits``.
 
     Args:

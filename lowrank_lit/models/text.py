@@ -34,6 +34,7 @@ from lowrank_lit.hub import MINILM, from_pretrained, load_tokenizer, quiet_trans
 from lowrank_lit.metrics import purity
 from lowrank_lit.nn.prompts import PromptModule, anchor_attention_share, masked_mean
 from lowrank_lit.optim import linear_warmup
+from lowrank_lit.sharding import Shardable
 
 __all__ = [
     "MINILM", "resolve_model_path", "load_tokenizer", "load_backbone", "apply_peft", "is_adapter_name", "find_layers", "keep_first_layers", "disable_dropout",
@@ -429,7 +430,7 @@ class _TrainedStateOnly:
             checkpoint["state_dict"].update({k: own[k] for k in self._frozen_keys(own)})
 
 
-class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
+class PromptTunedClassifier(Shardable, _TrainedStateOnly, pl.LightningModule):
     """Frozen text encoder + one prompt method and/or adapters + a masked-mean-pool linear head (zero-initialised).
 
     Batches are ``(input_ids, attention_mask, label, domain)`` (see
@@ -696,7 +697,7 @@ class PromptTunedClassifier(_TrainedStateOnly, pl.LightningModule):
         return torch.optim.AdamW(groups, weight_decay=self.weight_decay)
 
 
-class PromptTunedLM(_TrainedStateOnly, pl.LightningModule):
+class PromptTunedLM(Shardable, _TrainedStateOnly, pl.LightningModule):
     """Frozen causal LM + one prompt method; loss only on target (non-prompt, label != -100) positions.
 
     Batches are dicts with ``input_ids``, ``attention_mask``, ``labels`` (-100 where no loss is taken) and

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from lowrank_lit.sharding import shard_unit
+
+shard_unit("timm.models.vision_transformer.Block")  # sharded runs: one FSDP group per transformer block
+
 __all__ = ["vit_tiny", "vit_factory"]
 
 

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowrank_lit.sharding import shard_unit
+
 __all__ = ["selective_scan_ref", "selective_scan", "linear_scan", "vmappable_scans", "cross_scan", "cross_merge", "SS2D", "TinyVMamba", "LayerNorm2d",
            "PERMUTATIONS", "check_permutation", "set_traversal", "convert_official_vmamba"]
 
@@ -234,6 +236,7 @@ def _norm(kind: str, dim: int) -> nn.Module:
     raise ValueError(f"TinyVMamba: norm={kind!r}; allowed: {', '.join(NORMS)}")
 
 
+@shard_unit
 class _VSSBlock(nn.Module):
     def __init__(self, dim: int, d_state: int, norm: str, parallel: bool, bias: bool = True) -> None:
         super().__init__()

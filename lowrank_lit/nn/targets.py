@@ -137,7 +137,8 @@ def module_copy(module: nn.Module) -> nn.Module:
     ``copy.deepcopy`` of a ``LightningModule`` follows ``module._trainer``: the whole trainer (loggers, data loaders,
     callbacks) is copied, and under DDP the process group holds thread locks, which cannot be copied at all. Every
     submodule's trainer reference is left out the same way. For what evaluates a changed copy of a trained model
-    (truncated, quantized) after ``fit``.
+    (truncated, quantized) after ``fit``. A sharded module (FSDP2) is copied whole and unsharded on every rank
+    (:func:`lowrank_lit.sharding.unsharded_copy`).
     """
     import copy
 
@@ -146,4 +147,8 @@ def module_copy(module: nn.Module) -> nn.Module:
         trainer = sub.__dict__.get("_trainer")
         if trainer is not None:
             memo[id(trainer)] = None
+    if any(type(m).__name__.startswith("FSDP") for m in module.modules()):
+        from lowrank_lit.sharding import unsharded_copy
+
+        return unsharded_copy(module, memo)  # sharded (FSDP2): a plain copy with whole weights
     return copy.deepcopy(module, memo)

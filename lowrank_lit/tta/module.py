@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -78,6 +78,8 @@ class TTAModule(pl.LightningModule):
     At the end of the stream the run directory gets ``stream_state/`` (``state.safetensors`` + ``state.json``:
     :meth:`TTAMethod.stream_state` and the source model's digest).
     """
+
+    sharding_refusal: ClassVar[str | None] = "it adapts at test time, batch by batch on one stream (lowrank test); nothing trains to shard"
 
     def __init__(self, model: nn.Module, method: TTAMethod, source_ckpt: str | None = None, source_batches: bool = True,
                  reset_each_domain: bool = False, stream_state: str | None = None,

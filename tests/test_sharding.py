@@ -1,0 +1,244 @@
+"""Sharded training (FSDP2 on CPU with gloo): the shard rule, refusals, exact whole-matrix optimizers, checkpoints."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pkgutil
+import socket
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+import lowrank_lit
+from lowrank_lit.sharding import Shardable, ShardedStrategy, owners, shard_units, sharding_refusal
+from tests.helpers import MLP_CONFIG, ROOT
+
+FSDP = str(ROOT / "configs" / "base" / "trainer_fsdp.yaml")
+#: the largest weight difference measured between a 2-rank sharded and a 1-process update over 20 steps
+#: (LowRankAdam, NanoAdam, AdamQ3R; float32 gradients averaged in another order): 3.4e-7; the bound leaves 30x
+SHARDED_ATOL = 1e-5
+
+
+# ----------------------------------------------------------------------------------------- the shard rule
+def test_shard_units_are_the_repeated_blocks_of_each_family():
+    from lowrank_lit.models.lm import llama
+    from lowrank_lit.models.mlp import MLP
+    from lowrank_lit.models.vit import vit_tiny
+    from lowrank_lit.models.vmamba import TinyVMamba
+
+    vit = vit_tiny(num_classes=10, img_size=8, patch_size=2, in_chans=1)
+    assert [type(u).__name__ for u in shard_units(vit)] == ["Block"] * 12
+    vm = TinyVMamba(dim=[8, 16], depth=[2, 1])
+    assert [type(u).__name__ for u in shard_units(vm)] == ["_VSSBlock"] * 3
+    lm = llama(num_layers=3)
+    units = shard_units(lm)
+    assert [type(u).__name__ for u in units] == ["LlamaDecoderLayer"] * 3
+    assert units[0] is lm.model.layers[2]  # innermost-last order of modules(), reversed: fully_shard children first
+    assert shard_units(MLP(in_features=4, num_classes=2, hidden=[8])) == []  # no units: one root group
+
+
+def test_a_singleton_hugging_face_unit_stays_in_the_root_group():
+    from transformers import BertConfig, BertModel
+
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32))
+    assert "BertEmbeddings" in bert._no_split_modules
+    assert [type(u).__name__ for u in shard_units(bert)] == ["BertLayer", "BertLayer"]
+
+
+def test_owners_balance_elements_largest_first():
+    params = [torch.empty(n) for n in (10, 100, 50, 60)]
+    got = owners(params, 2)
+    # 100 -> rank 0; 60 -> rank 1; 50 -> rank 1 (60 < 100); 10 -> rank 0 (100 < 110)
+    assert [got[id(p)] for p in params] == [0, 0, 1, 1]
+    assert owners(params, 1) == {id(p): 0 for p in params}
+
+
+def _lightning_modules():
+    out = {}
+    for info in pkgutil.walk_packages(lowrank_lit.__path__, "lowrank_lit."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, pl.LightningModule) and cls.__module__ == info.name:
+                out[f"{info.name}.{cls.__name__}"] = cls
+    return out
+
+
+def test_every_lightning_module_runs_sharded_or_says_why():
+    classes = _lightning_modules()
+    assert len(classes) >= 20
+    refusing = {name: sharding_refusal(cls) for name, cls in classes.items() if sharding_refusal(cls)}
+    assert sorted(n.rsplit(".", 1)[1] for n in refusing) == ["PinvBoundStudy", "ShallowDiffuseEval", "TTAModule"]
+    for reason in refusing.values():
+        assert "\n" not in reason and "does not run sharded" in reason and len(reason) < 200, reason
+    for name, cls in classes.items():
+        assert name in refusing or issubclass(cls, Shardable), name
+
+    class Plain(pl.LightningModule):
+        pass
+
+    assert "declares no shard rule" in sharding_refusal(Plain)
+
+
+def test_sharded_strategy_bad_mixed_precision_is_one_line():
+    with pytest.raises(ValueError, match=r"^ShardedStrategy: mixed_precision='fp8'; allowed: none, bf16, fp16$"):
+        ShardedStrategy(mixed_precision="fp8")
+
+
+# ----------------------------------------------------------------------------------------- exact whole-matrix updates
+def _stack():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(24, 24, bias=False), nn.Tanh()) for _ in range(4)], nn.Linear(24, 5))
+
+
+def _optimizer(kind, m):
+    from lowrank_lit.methods.is_lowrank import LowRankAdam
+    from lowrank_lit.methods.nanoadam import NanoAdam
+    from lowrank_lit.methods.q3r import AdamQ3R, Q3RRegularizer, resolve_targets
+
+    mats, head = [m[i][0].weight for i in range(4)], list(m[4].parameters())
+    if kind == "lowrank_importance":
+        return LowRankAdam([{"params": mats}, {"params": head, "lowrank": False}], lr=1e-2, rank=4, update_proj_gap=5,
+                           seed=3)
+    if kind == "lowrank_galore":
+        return LowRankAdam([{"params": mats}, {"params": head, "lowrank": False}], lr=1e-2, rank=4, update_proj_gap=5,
+                           selector="dominant")
+    if kind == "nanoadam_random":
+        return NanoAdam([{"params": mats}, {"params": head, "nano": False}], lr=1e-2, density=0.1, mask_interval=5,
+                        selector="random", seed=3)
+    if kind == "nanoadam":
+        return NanoAdam([{"params": mats}, {"params": head, "nano": False}], lr=1e-2, density=0.1, mask_interval=5)
+    reg = Q3RRegularizer(resolve_targets(m, ["0.0", "1.0", "2.0", "3.0"]), target_rank=0.2, lam=0.5, period=5)
+    return AdamQ3R(m.parameters(), reg, lr=1e-2)
+
+
+KINDS = ["lowrank_importance", "lowrank_galore", "nanoadam_random", "nanoadam", "adam_q3r"]
+
+
+def _train(kind, rank=0, world=1):
+    """20 steps on a fixed stream; under sharding each rank takes its half of every batch of 16."""
+    from lowrank_lit.sharding import full_tensor, local_bytes
+
+    m = _stack()
+    torch.manual_seed(1)
+    x, y = torch.randn(20, 16, 24), torch.randn(20, 16, 5)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in list(m)[:4]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opt = _optimizer(kind, m)
+    for s in range(20):
+        xb, yb = (x[s].chunk(world)[rank], y[s].chunk(world)[rank]) if world > 1 else (x[s], y[s])
+        ((m(xb) - yb) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    weights = {k: full_tensor(v.detach()).clone().numpy() for k, v in m.state_dict().items()}
+    state = local_bytes([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.ndim])
+    return weights, state
+
+
+def _worker(rank, world, port, queue):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, {kind: _train(kind, rank, world) for kind in KINDS}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_whole_matrix_optimizers_are_exact_under_sharding_and_hold_half_the_state():
+    """LowRankAdam (importance sampling and GaLore's dominant subspace), NanoAdam (smallest and random selection) and
+    Q3R (Adam + the reweighting step) on 2 sharded ranks: after 20 steps every weight equals the 1-process run's
+    (within float32 reduction order), and each rank holds about half of the optimizer state."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    torch.set_num_threads(1)
+    for kind in KINDS:
+        ref, ref_state = _train(kind)
+        for rank in (0, 1):
+            weights, state = results[rank][kind]
+            for key, value in ref.items():
+                torch.testing.assert_close(torch.from_numpy(weights[key]), torch.from_numpy(value), atol=SHARDED_ATOL,
+                                           rtol=0, msg=f"{kind} rank {rank} {key}")
+            assert abs(state / ref_state - 0.5) < 0.05, (kind, rank, state, ref_state)
+
+
+# ----------------------------------------------------------------------------------------- sharded runs of the CLI
+def _fit(root, *extra, devices=2, timeout=600, verb="fit"):
+    env = {**os.environ, "PL_DISABLE_FORK": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.pop("LOWRANK_RUN_DIR", None)
+    return subprocess.run([sys.executable, "-m", "lowrank_lit", verb, *extra, "--trainer.accelerator=cpu",
+                           f"--trainer.devices={devices}", "--trainer.enable_progress_bar=false",
+                           "--run_root", str(root)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.e2e
+def test_sharded_steps_equal_single_process_steps_and_the_checkpoint_loads_on_one_process(tmp_path):
+    """3 AdamW steps of the MLP baseline on 2 sharded ranks (batch 32 each) end with the weights of 3 steps in one
+    process (batch 64, the same sampler permutation); the checkpoint is one consolidated file a one-process
+    ``lowrank test`` reads."""
+    common = ["--config", str(MLP_CONFIG), "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+              "--test_after_fit=false", "--model.init_args.backbone.init_args.dropout=0.0"]
+    single = _fit(tmp_path / "single", *common, "--trainer.strategy=ddp", "--data.init_args.batch_size=64", devices=1)
+    assert single.returncode == 0, single.stderr[-2000:]
+    sharded = _fit(tmp_path / "sharded", *common, "--config", FSDP, "--trainer.strategy.init_args.mixed_precision=none",
+                   "--data.init_args.batch_size=32")
+    assert sharded.returncode == 0, sharded.stderr[-2000:]
+    (a,) = (tmp_path / "single").rglob("last.ckpt")
+    (b,) = (tmp_path / "sharded").rglob("last.ckpt")
+    assert b.is_file()  # consolidated, not a folder of shards
+    wa = torch.load(a, map_location="cpu", weights_only=True)["state_dict"]
+    wb = torch.load(b, map_location="cpu", weights_only=True)["state_dict"]
+    assert set(wa) == set(wb)
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], atol=SHARDED_ATOL, rtol=0, msg=key)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env.pop("LOWRANK_RUN_DIR", None)
+    test = subprocess.run([sys.executable, "-m", "lowrank_lit", "test", "--config", str(MLP_CONFIG), "--ckpt_path", str(b),
+                           "--model.init_args.backbone.init_args.dropout=0.0",
+                           "--trainer.enable_progress_bar=false", "--run_root", str(tmp_path / "test")], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert test.returncode == 0, test.stderr[-2000:]
+    assert "test/acc" in test.stdout + test.stderr
+
+
+@pytest.mark.e2e
+def test_a_method_that_cannot_run_sharded_says_why_before_it_starts(tmp_path):
+    proc = _fit(tmp_path, "--config", str(ROOT / "configs" / "tta" / "digits_tent.yaml"), "--config", FSDP, verb="test")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "lowrank test: error: TTAModule does not run sharded (trainer.strategy: ShardedStrategy): it adapts at test "
+        "time, batch by batch on one stream (lowrank test); nothing trains to shard")
+    assert not list(tmp_path.rglob("*.ckpt"))
