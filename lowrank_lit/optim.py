@@ -174,12 +174,63 @@ class SeededOptimizer(torch.optim.Optimizer):
         """A sharded parameter (FSDP2 DTensor) is updated whole on the rank that owns it
         (:func:`lowrank_lit.sharding.whole_matrix_update`): the update equals the one-process update, and the state of
         a parameter lives on its owner only."""
+
+        whole_matrix_update(p, self._owner(p), lambda w, g: self.update(w, g, state, group, t), self.generator)
+
+    def _owner(self, p: torch.Tensor) -> int:
         import torch.distributed as dist
 
         if self._owners is None:
             sharded = [q for g in self.param_groups for q in g["params"] if is_sharded(q)]
             self._owners = owners(sharded, dist.get_world_size())
-        whole_matrix_update(p, self._owners[id(p)], lambda w, g: self.update(w, g, state, group, t), self.generator)
+        return self._owners[id(p)]
+
+    def _whole_state(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """``sd`` (this rank's ``state_dict``) as a one-process optimizer would write it: each owned parameter's state
+        from its owner, each elementwise state gathered whole. Every rank calls it (collectives)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        state = dict(sd["state"])
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if is_sharded(p):
+                    own = state.get(index)
+                    if self.elementwise(p, group):
+                        local = p.to_local()  # type: ignore[attr-defined]
+                        own = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,  # type: ignore[attr-defined]
+                                                     stride=p.stride()).full_tensor()
+                               if isinstance(v, torch.Tensor) and v.shape == local.shape and v.ndim else v
+                               for k, v in (own or {}).items()}
+                    else:
+                        owner = self._owner(p)
+                        shared = [own if dist.get_rank() == owner else None]
+                        dist.broadcast_object_list(shared, src=owner)
+                        own = shared[0]
+                    if own is not None:
+                        state[index] = own
+                index += 1
+        return {**sd, "state": state}
+
+    def _shard_state(self) -> None:
+        """After loading a whole state into a sharded optimizer: keep each elementwise state's local shard and the
+        owned parameters' states (the others keep their step count only)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import distribute_tensor
+
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not is_sharded(p) or p not in self.state:
+                    continue
+                st = self.state[p]
+                if self.elementwise(p, group):
+                    for k, v in list(st.items()):
+                        if isinstance(v, torch.Tensor) and v.shape == p.shape and v.ndim:
+                            st[k] = distribute_tensor(v, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                                                      src_data_rank=None).to_local()
+                elif dist.get_rank() != self._owner(p):
+                    self.state[p] = {k: v for k, v in st.items() if k == "step"}
 
     def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: int) -> None:
         """Update parameter ``p`` in place at step ``t`` (0-based) from ``grad``."""
@@ -199,7 +250,11 @@ class SeededOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where}: weight_decay={g['weight_decay']!r}; allowed: >= 0")
 
     def state_dict(self) -> dict[str, Any]:
+        """torch's state dict and the generator's state; under sharding the whole state (every rank returns what a
+        one-process run would save, so a consolidated checkpoint resumes on any number of processes)."""
         sd = super().state_dict()
+        if any(is_sharded(p) for g in self.param_groups for p in g["params"]):
+            sd = self._whole_state(sd)
         sd["generator_state"] = self.generator.get_state()
         return sd
 
@@ -216,6 +271,8 @@ class SeededOptimizer(torch.optim.Optimizer):
                 self.state[p][key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
         if gen_state is not None:
             self.generator.set_state(gen_state)
+        if any(is_sharded(p) for p in params):
+            self._shard_state()
 
     def state_bytes(self) -> int:
         """Bytes held in the optimizer state (every state tensor)."""

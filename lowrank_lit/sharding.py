@@ -172,6 +172,44 @@ class ShardedStrategy(ModelParallelStrategy):
         if reason:
             raise ValueError(reason)
         super().setup(trainer)
+        if self._save_distributed_checkpoint and any(self._whole_state(o) for o in self.optimizers):
+            raise ValueError("ShardedStrategy: save_distributed_checkpoint=true with LowRankAdam or NanoAdam; allowed: "
+                             "false (their state is per whole matrix, saved in one consolidated checkpoint)")
+
+    @staticmethod
+    def _whole_state(optimizer: Any) -> bool:
+        """Optimizers that write their own whole state under sharding (the framework's ``SeededOptimizer``s: their
+        state is per whole matrix, not per shard, which torch's sharded state-dict helpers cannot read)."""
+        from lowrank_lit.optim import SeededOptimizer
+
+        return isinstance(getattr(optimizer, "_optimizer", optimizer), SeededOptimizer)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self._whole_state(optimizer):
+            return getattr(optimizer, "_optimizer", optimizer).state_dict()  # the one-process format, every rank
+        return super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from pathlib import Path
+
+        own = [self._whole_state(o) for o in self.optimizers]
+        if not any(own):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        if not all(own):
+            raise ValueError("ShardedStrategy: a LowRankAdam or NanoAdam beside another optimizer in one module does "
+                             "not resume sharded; allowed: one kind of optimizer per module")
+        if not Path(checkpoint_path).is_file():
+            raise ValueError(f"ShardedStrategy: {checkpoint_path} is a folder of shards; LowRankAdam and NanoAdam "
+                             "resume from a consolidated checkpoint (save_distributed_checkpoint: false)")
+        optimizers = self.optimizers
+        self.optimizers = []  # the model through Lightning; these optimizers read their whole state themselves
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            self.optimizers = optimizers
+        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            optimizer.load_state_dict(state)
+        return checkpoint
 
 
 def sharding_refusal(cls: type) -> str | None:

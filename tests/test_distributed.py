@@ -205,9 +205,10 @@ def test_ddp_step_equals_single_process_step(tmp_path, devices):
 
 
 # ----------------------------------------------------------------------------------------- DDP stops
-def _ddp_fit(root, *extra, signal_at=None, target="rank0"):
+def _ddp_fit(root, *extra, signal_at=None, target="rank0", strategy=("--trainer.strategy=ddp",)):
     """``lowrank fit`` on 2 gloo processes in its own process group; send SIGTERM at a progress line to
-    rank 0 (the launching process), rank 1 (its child) or the whole group (as SLURM does).
+    rank 0 (the launching process), rank 1 (its child) or the whole group (as SLURM does). ``strategy``: the
+    arguments that select the strategy (DDP by default; the sharded tests pass the FSDP fragment).
 
     Returns (exit status, stdout, stderr, seconds from the signal to the exit of every process)."""
     import signal
@@ -221,7 +222,7 @@ def _ddp_fit(root, *extra, signal_at=None, target="rank0"):
     env = {**os.environ, "PL_DISABLE_FORK": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     env.pop("LOWRANK_RUN_DIR", None)
     cmd = [sys.executable, "-m", "lowrank_lit", "fit", "--config", str(MLP_CONFIG), "--config", str(frag),
-           "--trainer.max_epochs=4", "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.accelerator=cpu",
+           "--trainer.max_epochs=4", *strategy, "--trainer.devices=2", "--trainer.accelerator=cpu",
            "--test_after_fit=false", "--run_root", str(root), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)

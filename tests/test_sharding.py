@@ -242,3 +242,36 @@ def test_a_method_that_cannot_run_sharded_says_why_before_it_starts(tmp_path):
         "lowrank test: error: TTAModule does not run sharded (trainer.strategy: ShardedStrategy): it adapts at test "
         "time, batch by batch on one stream (lowrank test); nothing trains to shard")
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", ["rank1", "group"])
+def test_a_stopped_sharded_run_saves_one_checkpoint_and_resumes_to_the_uninterrupted_weights(tmp_path, target):
+    """SIGTERM to rank 1 or to the whole group (as SLURM does) stops both sharded ranks after the same batch and
+    writes one consolidated last.ckpt; resumed on 2 sharded ranks, the run ends with the weights of an uninterrupted
+    sharded run."""
+    import signal
+
+    from tests.test_distributed import _ddp_fit, _only_run
+
+    sharded = ("--config", FSDP, "--trainer.strategy.init_args.mixed_precision=none")
+    if target == "group":
+        rc, _, err, _ = _ddp_fit(tmp_path / "reference", strategy=sharded)
+        assert rc == 0, err[-2000:]
+    rc, _, err, waited = _ddp_fit(tmp_path, signal_at="epoch 2/4  batch 4/10", target=target, strategy=sharded)
+    assert rc == 128 + signal.SIGTERM, err[-2000:]
+    assert waited < 20, waited
+    run = _only_run(tmp_path / "baseline" / "mlp_digits")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]  # one file, not shards
+    stopped = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert 10 < stopped["global_step"] < 20, stopped["global_step"]
+    if target != "group":
+        return  # the resume itself is checked once
+    rc, _, err, _ = _ddp_fit(tmp_path, "--run_id", run.name, "--ckpt_path", "last", strategy=sharded)
+    assert rc == 0, err[-2000:]
+    final = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    reference = torch.load(_only_run(tmp_path / "reference" / "baseline" / "mlp_digits") / "checkpoints" / "last.ckpt",
+                           map_location="cpu", weights_only=True)
+    assert final["global_step"] == reference["global_step"] == 40
+    for key, value in reference["state_dict"].items():
+        assert torch.equal(final["state_dict"][key], value), key
