@@ -198,8 +198,8 @@ class SeededOptimizer(torch.optim.Optimizer):
                 if is_sharded(p):
                     own = state.get(index)
                     if self.elementwise(p, group):
-                        local = p.to_local()  # type: ignore[attr-defined]
-                        own = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,  # type: ignore[attr-defined]
+                        local = p.to_local()
+                        own = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
                                                      stride=p.stride()).full_tensor()
                                if isinstance(v, torch.Tensor) and v.shape == local.shape and v.ndim else v
                                for k, v in (own or {}).items()}
@@ -227,7 +227,7 @@ class SeededOptimizer(torch.optim.Optimizer):
                 if self.elementwise(p, group):
                     for k, v in list(st.items()):
                         if isinstance(v, torch.Tensor) and v.shape == p.shape and v.ndim:
-                            st[k] = distribute_tensor(v, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                            st[k] = distribute_tensor(v, p.device_mesh, p.placements,
                                                       src_data_rank=None).to_local()
                 elif dist.get_rank() != self._owner(p):
                     self.state[p] = {k: v for k, v in st.items() if k == "step"}
