@@ -146,7 +146,24 @@ def _train(kind, rank=0, world=1):
         opt.zero_grad()
     weights = {k: full_tensor(v.detach()).clone().numpy() for k, v in m.state_dict().items()}
     state = local_bytes([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.ndim])
-    return weights, state
+    if not hasattr(opt, "generator"):  # torch's Adam (Q3R): its sharded state is saved by torch's own helpers
+        return weights, state, {}
+    whole = opt.state_dict()  # under sharding: what a one-process run saves (a collective on every rank)
+    if world > 1:  # the whole state loads back into a fresh sharded optimizer, each rank keeping its part
+        again = _optimizer(kind, m)
+        again.load_state_dict(whole)
+        assert _flat(again.state_dict()).keys() == _flat(whole).keys()
+        for key, value in _flat(again.state_dict()).items():
+            assert torch.equal(value, _flat(whole)[key]), key
+        assert local_bytes([v for st in again.state.values() for v in st.values()
+                            if isinstance(v, torch.Tensor) and v.ndim]) == state
+    return weights, state, {k: v.numpy() for k, v in _flat(whole).items()}
+
+
+def _flat(sd):
+    """The tensors of an optimizer state dict by ``(param index, key)`` (generator states left out)."""
+    return {f"{i}.{k}": v.detach().clone() for i, st in sd["state"].items() for k, v in st.items()
+            if isinstance(v, torch.Tensor) and v.dtype != torch.uint8}
 
 
 def _worker(rank, world, port, queue):
@@ -157,8 +174,12 @@ def _worker(rank, world, port, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         queue.put((rank, {kind: _train(kind, rank, world) for kind in KINDS}))
-    finally:
-        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the test reports it (the other rank then stops at the collective timeout)
+        import traceback
+
+        queue.put((rank, traceback.format_exc()))
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def _free_port():
@@ -171,7 +192,8 @@ def _free_port():
 def test_whole_matrix_optimizers_are_exact_under_sharding_and_hold_half_the_state():
     """LowRankAdam (importance sampling and GaLore's dominant subspace), NanoAdam (smallest and random selection) and
     Q3R (Adam + the reweighting step) on 2 sharded ranks: after 20 steps every weight equals the 1-process run's
-    (within float32 reduction order), and each rank holds about half of the optimizer state."""
+    (within float32 reduction order), each rank holds about half of the optimizer state, the state every rank saves
+    is the 1-process run's, and it loads back, each rank keeping its half."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -180,19 +202,26 @@ def test_whole_matrix_optimizers_are_exact_under_sharding_and_hold_half_the_stat
     procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
+    rank, first = queue.get(timeout=600)
+    assert not isinstance(first, str), f"rank {rank}: {first}"
+    results = dict([(rank, first), queue.get(timeout=60)])
+    assert not any(isinstance(r, str) for r in results.values()), results
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     torch.set_num_threads(1)
     for kind in KINDS:
-        ref, ref_state = _train(kind)
+        ref, ref_state, ref_whole = _train(kind)
         for rank in (0, 1):
-            weights, state = results[rank][kind]
+            weights, state, whole = results[rank][kind]
             for key, value in ref.items():
                 torch.testing.assert_close(torch.from_numpy(weights[key]), torch.from_numpy(value), atol=SHARDED_ATOL,
                                            rtol=0, msg=f"{kind} rank {rank} {key}")
             assert abs(state / ref_state - 0.5) < 0.05, (kind, rank, state, ref_state)
+            assert whole.keys() == ref_whole.keys(), kind
+            for key, value in ref_whole.items():
+                torch.testing.assert_close(torch.from_numpy(whole[key]), torch.from_numpy(value),
+                                           atol=SHARDED_ATOL, rtol=1e-4, msg=f"{kind} rank {rank} state {key}")
 
 
 # ----------------------------------------------------------------------------------------- sharded runs of the CLI
