@@ -4,7 +4,10 @@ Hub models are built from ``config.json`` files with the public architecture val
 (``tests/rehearsal/hub_configs/``) next to a small tokenizer; data are the rehearsal's fixtures in the real format
 (their shapes are what matters: QADataModule pads every example to ``max_length``).
 
-    python benchmarks/scale_estimates.py            # prints the markdown table of docs/scale.md
+    python benchmarks/scale_estimates.py            # prints the markdown tables of docs/scale.md
+
+The second table shards the same runs (configs/base/trainer_fsdp.yaml, activation checkpointing on) at the paper's
+global batch: for 1, 2, 4, 8, ... GPUs, the largest per-GPU micro-batch that fits 80 GiB, the rest accumulated.
 """
 
 from __future__ import annotations
@@ -51,6 +54,42 @@ def _rows(tmp: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
+FSDP = ROOT / "configs" / "base" / "trainer_fsdp.yaml"
+
+
+def _sharded(tmp: Path) -> None:
+    print()
+    print("| config | paper's batch | GPUs | per-GPU micro-batch x accumulation | sharded state per GPU | "
+          "activations (checkpointed) | total per GPU |")
+    print("|---|---|---|---|---|---|---|")
+    seen = set()
+    for name, extra in _rows(tmp):
+        if name in seen:
+            continue
+        seen.add(name)
+        base = estimate(["--config", str(ROOT / "configs" / f"{name}.yaml"), *extra])
+        paper = (base.batch_size or 1) * base.accumulate
+        found = None
+        for gpus in (1, 2, 4, 8, 16, 32):
+            micro = max(1, min(base.batch_size or 1, paper // gpus))
+            while found is None and micro >= 1:
+                e = estimate(["--config", str(ROOT / "configs" / f"{name}.yaml"), *extra, "--config", str(FSDP),
+                              f"--trainer.devices={gpus}", "--trainer.strategy.init_args.activation_checkpointing=true",
+                              f"--data.init_args.batch_size={micro}"])
+                if e.total <= 80 * GiB:
+                    found = (gpus, micro, paper // (gpus * micro), e)
+                micro //= 2
+            if found:
+                break
+        if found is None:
+            print(f"| `{name}` | {paper} | > 32 | - | - | - | - |")
+            continue
+        gpus, micro, acc, e = found
+        act = "-" if e.checkpointed_activations is None else format_bytes(e.checkpointed_activations)
+        print(f"| `{name}` | {paper} | {gpus} | {micro} x {acc} | {format_bytes(e.sharded_state(gpus))} | {act} | "
+              f"{format_bytes(e.total)} |")
+
+
 def main() -> None:
     print("| config | per-GPU batch x accumulation | parameters | trainable | weights | gradients | optimizer | "
           "activations (upper bound) | total per GPU | fits 80 GiB |")
@@ -62,6 +101,7 @@ def main() -> None:
             print(f"| `{name}` | {e.batch_size} x {e.accumulate} | {e.parameters:,} | {e.trainable:,} | {format_bytes(e.weights)} | "
                   f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {act} | {format_bytes(e.total)} | "
                   f"{'yes' if e.total <= 80 * GiB else 'no'} |")
+        _sharded(Path(tmp))
 
 
 if __name__ == "__main__":

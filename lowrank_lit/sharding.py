@@ -11,7 +11,9 @@ model is sharded by one rule, the same for every method (:func:`shard_module`):
 * **everything else** (adapters and prompts outside a unit, heads, embeddings, a method's own parameters) belongs to
   the root group: the LightningModule itself, sharded last, whose ``training_step`` / ``validation_step`` /
   ``test_step`` / ``predict_step`` gather the root group (``register_fsdp_forward_method``). An adapter inside a
-  unit is sharded with its unit; frozen and trainable parameters may share a group.
+  unit is sharded with its unit; frozen and trainable parameters may share a group. A module with manual
+  optimization (several forward/backward passes per step, e.g. Skrull's micro-batches) also shards each direct child
+  that holds parameters, so each child's forward gathers them.
 
 A LightningModule takes part by inheriting :class:`Shardable` (its ``configure_model`` applies the rule when the
 strategy gives it a device mesh, and does nothing otherwise); one whose math needs something sharding cannot give
@@ -116,6 +118,13 @@ def shard_module(module: nn.Module, mesh: Any, mixed_precision: str = "none", ac
         param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if getattr(module, "automatic_optimization", True) is False:
+        # manual optimization may run several forward/backward passes in one step (micro-batches): each direct child
+        # with parameters gathers them at each of its forwards, which the root group does once per step only
+        done = {id(u) for u in units}
+        for child in module.children():
+            if id(child) not in done and any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for name in STEP_METHODS:
         if callable(getattr(module, name, None)):

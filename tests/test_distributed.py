@@ -205,6 +205,16 @@ def test_ddp_step_equals_single_process_step(tmp_path, devices):
 
 
 # ----------------------------------------------------------------------------------------- DDP stops
+def _stop_fragment(root):
+    """Progress at every step, slow batches (time to send a signal) and rank-dependent random draws."""
+    frag = root / "ddp.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    frag.write_text("trainer:\n  callbacks+:\n    - class_path: lowrank_lit.callbacks.LogProgress\n      init_args:\n"
+                    "        every_n_steps: 1\n    - class_path: tests.helpers.SlowBatches\n"
+                    "    - class_path: tests.helpers.RankDependentDraws\n")
+    return frag
+
+
 def _ddp_fit(root, *extra, signal_at=None, target="rank0", strategy=("--trainer.strategy=ddp",)):
     """``lowrank fit`` on 2 gloo processes in its own process group; send SIGTERM at a progress line to
     rank 0 (the launching process), rank 1 (its child) or the whole group (as SLURM does). ``strategy``: the
@@ -214,11 +224,7 @@ def _ddp_fit(root, *extra, signal_at=None, target="rank0", strategy=("--trainer.
     import signal
     import time
 
-    frag = root / "ddp.yaml"
-    root.mkdir(parents=True, exist_ok=True)
-    frag.write_text("trainer:\n  callbacks+:\n    - class_path: lowrank_lit.callbacks.LogProgress\n      init_args:\n"
-                    "        every_n_steps: 1\n    - class_path: tests.helpers.SlowBatches\n"
-                    "    - class_path: tests.helpers.RankDependentDraws\n")
+    frag = _stop_fragment(root)
     env = {**os.environ, "PL_DISABLE_FORK": "0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     env.pop("LOWRANK_RUN_DIR", None)
     cmd = [sys.executable, "-m", "lowrank_lit", "fit", "--config", str(MLP_CONFIG), "--config", str(frag),
@@ -331,3 +337,100 @@ def test_end_of_fit_hooks_complete_on_two_ddp_processes(name, tmp_path, monkeypa
     assert len(rows) >= 2, rows  # a header and the hook's rows
     assert not (run / "unfinished.json").exists()
     assert proc.stdout.count("finished: ") == 1  # one process reports
+
+
+# ----------------------------------------------------------------------------------------- two nodes, as srun runs them
+#: a stand-in ``srun`` that starts the command once per task of a 2-node x 1-task allocation on the loopback address,
+#: with the variables SLURM sets for each task, and records the tasks' process ids (SLURM signals every task)
+FAKE_SRUN = """#!/bin/bash
+while [[ $1 == --* ]]; do shift; done
+pids=()
+for i in 0 1; do
+  SLURM_NTASKS=2 SLURM_NNODES=2 SLURM_NTASKS_PER_NODE=1 SLURM_PROCID=$i SLURM_LOCALID=0 SLURM_NODEID=$i \
+  SLURM_JOB_NODELIST=localhost SLURM_NODELIST=localhost SLURMD_NODENAME=node$i "$@" &
+  pids+=($!)
+done
+echo "${pids[@]}" > "$FAKE_SRUN_PIDS"
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+
+def _two_node_job(tmp_path, script, signal_at=None):
+    """Run an sbatch script as a 2-node job would (``SLURM_JOB_ID`` set, the stand-in ``srun``, a recording
+    ``scontrol``); at ``signal_at`` send SIGUSR1 to every task, as SLURM does before the time limit."""
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'scontrol.calls'}\n")
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "SLURM_JOB_ID": str(4000 + os.getpid() % 900),
+           "SLURM_JOB_NAME": "two-nodes", "FAKE_SRUN_PIDS": str(tmp_path / "tasks.pids")}
+    env.pop("LOWRANK_RUN_DIR", None)
+    proc = subprocess.Popen(["bash", str(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    out, sent = [], False
+    for line in proc.stdout:
+        out.append(line)
+        if signal_at and not sent and line.startswith(signal_at):
+            for pid in (tmp_path / "tasks.pids").read_text().split():
+                os.kill(int(pid), signal.SIGUSR1)
+            sent = True
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("".join(out)[-3000:]) from None
+    time.sleep(0.5)
+    assert not signal_at or sent, "".join(out)[-3000:]
+    return proc.returncode, "".join(out), env["SLURM_JOB_ID"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_sbatch_launch_line_trains_on_two_nodes_and_a_requeue_resumes_on_both(tmp_path, strategy, ddp_reference):
+    """The script ``lowrank submit --nodes 2 --gpus-per-node 1`` writes (DDP, or ``--strategy fsdp``), run as srun
+    runs it on 2 nodes x 1 task on the loopback address: SIGUSR1 to every task stops both after the same batch,
+    requeues the job once and writes last.ckpt; the requeued job re-enters the same run directory on both nodes
+    and ends with the weights of an uninterrupted 2-process run."""
+    import signal
+
+    frag = _stop_fragment(tmp_path)
+    extra = ["--trainer.max_epochs=4", "--test_after_fit=false", "--trainer.enable_progress_bar=false"]
+    if strategy == "fsdp":
+        extra.append("--trainer.strategy.init_args.mixed_precision=none")
+    proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "submit", "--config", str(MLP_CONFIG), "--config",
+                           str(frag), "--nodes", "2", "--gpus-per-node", "1", "--accelerator", "cpu", "--strategy",
+                           strategy, "--run-root", str(tmp_path / "runs"), "--dry-run", "--", *extra],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    script = tmp_path / "job.sbatch"
+    script.write_text(proc.stdout)
+    rc, out, job = _two_node_job(tmp_path, script, signal_at="epoch 2/4  batch 4/10")
+    assert rc == 128 + signal.SIGUSR1, out[-3000:]
+    assert (tmp_path / "scontrol.calls").read_text().split() == ["requeue", job]  # once, by rank 0
+    run = tmp_path / "runs" / "baseline" / "mlp_digits" / job
+    stopped = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert 10 < stopped["global_step"] < 20, stopped["global_step"]
+    rc, out, _ = _two_node_job(tmp_path, script)  # the requeued job
+    assert rc == 0, out[-3000:]
+    assert f"resumed at step {stopped['global_step']}" in out
+    assert sorted(p.name for p in (tmp_path / "runs" / "baseline" / "mlp_digits").iterdir()) == [job]
+    final = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    if strategy == "fsdp":
+        rc, _, err, _ = _ddp_fit(tmp_path / "reference", strategy=("--config", str(ROOT / "configs" / "base" /
+                                 "trainer_fsdp.yaml"), "--trainer.strategy.init_args.mixed_precision=none"))
+        assert rc == 0, err[-2000:]
+        reference = torch.load(_only_run(tmp_path / "reference" / "baseline" / "mlp_digits") / "checkpoints" /
+                               "last.ckpt", map_location="cpu", weights_only=True)
+    else:
+        reference = ddp_reference
+    assert final["global_step"] == reference["global_step"] == 40
+    for key, value in reference["state_dict"].items():
+        assert torch.equal(final["state_dict"][key], value), key

@@ -62,6 +62,28 @@ def test_estimate_galore_llama_at_full_size(tmp_path):
     assert "fits in 80 GiB" in e.report(80) and "does NOT fit in 1 GiB" in e.report(1) and "FSDP over" in e.report(1)
 
 
+def test_sharded_estimate_divides_the_state_and_checkpointing_keeps_unit_inputs(tmp_path):
+    """Sharded over 4: parameters, gradients and optimizer state / 4, buffers whole; with activation checkpointing
+    the activations drop to (outside the units) + (unit inputs) + (the largest unit's internals), which for 8
+    equal decoder layers is below a third of the full count."""
+    from lowrank_lit.launch.estimate import estimate
+
+    text = fx.text_folder(tmp_path / "text", n_files=2, lines=400)
+    args = ["--config", str(CONFIGS / "is_lowrank/llama_gpu.yaml"), f"--data.init_args.root={text}",
+            "--data.init_args.num_workers=0"]
+    one = estimate(args)
+    e = estimate([*args, "--config", str(CONFIGS / "base/trainer_fsdp.yaml"), "--trainer.devices=4",
+                  "--trainer.strategy.init_args.activation_checkpointing=true"])
+    assert e.sharded and e.devices == 4 and not one.sharded
+    assert (e.weights, e.gradients, e.optimizer) == (one.weights, one.gradients, one.optimizer)
+    assert 0 < e.buffers < e.weights
+    assert e.sharded_state(4) == (e.weights - e.buffers + e.gradients + e.optimizer) // 4 + e.buffers
+    assert e.activations == one.activations and e.checkpointed_activations is not None
+    assert 0 < e.checkpointed_activations < e.activations / 3
+    assert e.total == e.sharded_state(4) + e.checkpointed_activations
+    assert "sharded over 4" in e.report() and "with activation checkpointing" in e.report()
+
+
 def test_estimate_pt_moe_llama_1b_from_its_config_json(tmp_path):
     from lowrank_lit.launch.estimate import estimate
 

@@ -304,3 +304,29 @@ def test_a_stopped_sharded_run_saves_one_checkpoint_and_resumes_to_the_uninterru
     assert final["global_step"] == reference["global_step"] == 40
     for key, value in reference["state_dict"].items():
         assert torch.equal(final["state_dict"][key], value), key
+
+
+#: one training config of every method that trains (methods that only evaluate refuse: see above)
+EVERY_METHOD = [
+    "baseline/vit_tiny_digits.yaml", "bayes_prefix/prefix_soft.yaml", "capt/templated_capt.yaml",
+    "compose/skrull_char_lm.yaml", "gaze_3dpe/param_encoder_prior.yaml", "glvq/mlp_digits_fp.yaml",
+    "icl_rank_retriever/synthetic_sedpo.yaml", "is_lowrank/char_lm.yaml", "lope/lope.yaml",
+    "lowrank_rnn_cl/what_how.yaml", "masked_block_icl/unconstrained.yaml", "nanoadam/digits_finetune.yaml",
+    "pt_moe/templated_ptmoe.yaml", "q3r/mlp_digits.yaml", "safe_meta_rl/gridnav_safe.yaml",
+    "shallow_diffuse/unet_digits_train.yaml", "skrull/sft_skrull.yaml", "strank/synthetic_balanced.yaml",
+    "trust/source_vmamba_digits.yaml",
+]
+
+
+@pytest.mark.rehearsal
+@pytest.mark.e2e
+@pytest.mark.parametrize("config", EVERY_METHOD)
+def test_every_method_that_trains_runs_sharded(config, tmp_path):
+    """Two optimizer steps of each method's CPU config on 2 sharded gloo ranks, to the end of its fit (end-of-fit
+    evaluations included) and one consolidated checkpoint."""
+    proc = _fit(tmp_path, "--config", str(ROOT / "configs" / config), "--config", FSDP,
+                "--trainer.strategy.init_args.mixed_precision=none", "--trainer.max_steps=2",
+                "--trainer.limit_val_batches=1", "--test_after_fit=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (ckpt,) = tmp_path.rglob("last.ckpt")
+    assert ckpt.is_file()

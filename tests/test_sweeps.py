@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -420,3 +421,96 @@ def test_trial_experiment_is_decided_before_the_trial_starts(tmp_path):
     assert trial_experiment(["fit", "--config", plain]) == "baseline/mlp_digits"
     assert trial_experiment(["fit", "--config", plain, "--config", str(named)]) == "mine/x"
     assert trial_experiment(["fit", "--config", str(named), "--experiment", "e1", "--experiment=e2"]) == "e2"
+
+
+# ----------------------------------------------------------------------------------------- many workers, one database
+@pytest.fixture
+def postgres_url():
+    """A PostgreSQL 15 server in a temporary folder on a loopback port, run as an unprivileged user (the server
+    refuses root), stopped after the test; skipped with the reason where the binaries or the driver are absent."""
+    import shutil
+    import socket
+    import tempfile
+
+    missing = [b for b in ("initdb", "pg_ctl", "postgres") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"PostgreSQL binaries not on PATH: {', '.join(missing)}")
+    pytest.importorskip("psycopg2", reason="the PostgreSQL driver (pip install 'lowrank-lit[postgres]') is absent")
+    folder = Path(tempfile.mkdtemp(prefix="lowrank-pg-", dir="/tmp"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("runuser") is None:
+            pytest.skip("running as root and no runuser to start PostgreSQL as an unprivileged user")
+        import pwd
+
+        nobody = pwd.getpwnam("nobody")
+        os.chown(folder, nobody.pw_uid, nobody.pw_gid)
+        as_user = ["runuser", "-u", "nobody", "--"]
+    data = folder / "data"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    subprocess.run([*as_user, "initdb", "-D", str(data), "-U", "lowrank", "--auth=trust", "-E", "UTF8"], check=True,
+                   capture_output=True, cwd=folder)
+    subprocess.run([*as_user, "pg_ctl", "-D", str(data), "-l", str(folder / "server.log"), "-w", "-o",
+                    f"-p {port} -h 127.0.0.1 -k {folder}", "start"], check=True, capture_output=True, cwd=folder)
+    try:
+        yield f"postgresql://lowrank@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_user, "pg_ctl", "-D", str(data), "-m", "immediate", "stop"], capture_output=True, cwd=folder)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.e2e
+def test_four_workers_share_one_study_in_postgresql_and_survive_a_killed_worker(tmp_path, postgres_url):
+    """4 `lowrank sweep` workers on one grid study in a real PostgreSQL server; one is killed (SIGKILL, with its
+    trial's process) mid-trial: its trial is recorded as interrupted and run again by the others, every grid point
+    completes exactly once, no worker runs a point another holds, and trials.md lists exactly the study's trials."""
+    import signal
+    import time
+
+    import optuna
+
+    lrs = [0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008]
+    path = _sweep(tmp_path, f"model.init_args.optimizer.init_args.lr:\n  values: {lrs}\n")
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "lowrank_lit", "sweep", str(path), "--storage", postgres_url, "--study-name", "pg",
+           "--run-root", str(runs), "--no-wandb", *_slow_trials(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOWRANK_SWEEP_HEARTBEAT": "2", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([*cmd, "--seed", str(i)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, start_new_session=True) for i in range(4)]
+    from lowrank_lit.launch.sweep_study import optuna_storage
+
+    storage = optuna_storage(postgres_url)
+    victim = procs[0]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # wait until the victim's trial is training
+        try:
+            study = optuna.load_study(study_name="pg", storage=storage)
+        except KeyError:
+            time.sleep(0.5)
+            continue
+        mine = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.RUNNING
+                and t.user_attrs.get("worker", "").endswith(f":{victim.pid}")]
+        logs = list((runs / "sweeps" / "pg" / "logs").glob(f"pg-t{mine[0].number:04d}-*.log")) if mine else []
+        if logs and "batch 3/10" in logs[0].read_text():
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the first worker never started a trial")
+    os.killpg(victim.pid, signal.SIGKILL)  # the worker and its trial's fit, as a crashed node would
+    victim.wait(timeout=60)
+    outs = [p.communicate(timeout=900) for p in procs[1:]]
+    assert all(p.returncode == 0 for p in procs[1:]), [o[1][-1500:] for o in outs]
+    study = optuna.load_study(study_name="pg", storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert sorted(t.params["model.init_args.optimizer.init_args.lr"] for t in done) == lrs  # each point once
+    (killed,) = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert killed.number == mine[0].number and killed.state == optuna.trial.TrialState.FAIL
+    assert [t.user_attrs.get("rerun_of") for t in done].count(killed.number) == 1  # run again, once
+    assert not [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
+    table = (runs / "sweeps" / "pg" / "trials.md").read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| trial") and "---" not in ln]
+    listed = [t for t in trials if not (t.state == optuna.trial.TrialState.PRUNED and "pruned_at" not in t.user_attrs)]
+    assert len(rows) == len(listed), table

@@ -15,6 +15,12 @@ The config's model is built at full size on the meta device (no memory; hub mode
   is counted as the math path keeps it (scores and probabilities); fused kernels (flash / memory-efficient SDPA on a
   GPU) keep less, so this line is an upper bound there too.
   Without the data (paths that do not exist) they are left out and the line says so.
+
+Sharded (``trainer.strategy: ShardedStrategy``, configs/base/trainer_fsdp.yaml) over ``devices x num_nodes``
+processes: parameters, gradients and optimizer state are divided by the world size (buffers are not sharded), the
+activations are one process's. With ``activation_checkpointing`` each shard unit keeps its input only, and one unit
+at a time holds its internal activations again in backward: activations = (outside the units) + (the units' inputs)
++ (the largest unit's internals). Other models are given the same two lines: "FSDP over N GPUs" for 2 and 8.
 """
 
 from __future__ import annotations
@@ -55,14 +61,25 @@ class MemoryEstimate:
     batch_size: int | None = None  # per device, as the data module is configured
     accumulate: int = 1  # accumulate_grad_batches
     notes: list[str] = field(default_factory=list)
+    buffers: int = 0  # of ``weights``: not sharded
+    sharded: bool = False  # a ShardedStrategy run over ``devices`` processes
+    checkpointed_activations: int | None = None  # the activations with activation checkpointing of the shard units
 
     @property
     def total(self) -> int:
+        if self.sharded:
+            return self.sharded_total(self.devices, self.checkpointed_activations is not None)
         return self.weights + self.gradients + self.optimizer + self.ddp_buckets + (self.activations or 0)
 
-    def sharded_total(self, world: int) -> int:
+    def sharded_state(self, world: int) -> int:
+        """Bytes of parameters, gradients and optimizer state per process under FSDP across ``world`` processes."""
+        return (self.weights - self.buffers + self.gradients + self.optimizer) // world + self.buffers
+
+    def sharded_total(self, world: int, checkpointing: bool = False) -> int:
         """The same under FSDP across ``world`` GPUs: weights, gradients and optimizer state sharded."""
-        return (self.weights + self.gradients + self.optimizer) // world + (self.activations or 0)
+        act = self.checkpointed_activations if checkpointing and self.checkpointed_activations is not None \
+            else self.activations
+        return self.sharded_state(world) + (act or 0)
 
     def report(self, gpu_gib: float = 80.0) -> str:
         rows = [("parameters", f"{self.parameters:,}"), ("trainable", f"{self.trainable:,}"),
@@ -70,7 +87,12 @@ class MemoryEstimate:
                 ("optimizer state", format_bytes(self.optimizer))]
         if self.ddp_buckets:
             rows.append(("DDP gradient buckets", format_bytes(self.ddp_buckets)))
+        if self.sharded:
+            rows.append((f"sharded over {self.devices}", format_bytes(self.sharded_state(self.devices))
+                         + " (weights, gradients, optimizer state per process)"))
         rows.append(("activations", "not measured" if self.activations is None else format_bytes(self.activations)))
+        if self.checkpointed_activations is not None:
+            rows.append(("with activation checkpointing", format_bytes(self.checkpointed_activations)))
         rows.append(("total per GPU", format_bytes(self.total)))
         width = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
@@ -78,10 +100,12 @@ class MemoryEstimate:
         lines.append(f"{self.strategy}, {self.devices} device(s), {self.precision}: "
                      + (f"fits in {gpu_gib:g} GiB" if fits else f"does NOT fit in {gpu_gib:g} GiB")
                      + (" (without the activations)" if self.activations is None else ""))
-        if not fits:
+        if not fits and not self.sharded:
             for world in sorted({max(self.devices, 2), 8}):
-                lines.append(f"  FSDP over {world} GPUs (strategy: fsdp): {format_bytes(self.sharded_total(world))} per GPU")
-            lines.append("  activation checkpointing lowers the activations line (keeps about one layer's worth per layer)")
+                lines.append(f"  FSDP over {world} GPUs (configs/base/trainer_fsdp.yaml): "
+                             f"{format_bytes(self.sharded_total(world))} per GPU"
+                             + (f", {format_bytes(self.sharded_total(world, True))} with activation checkpointing"
+                                if self.checkpointed_activations is not None else ""))
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
@@ -174,7 +198,45 @@ def _optimizer_state(optimizers: list[torch.optim.Optimizer], notes: list[str]) 
     return total, params
 
 
-def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None) -> tuple[int | None, str | None]:
+class _UnitTensors(SavedTensors):
+    """:class:`SavedTensors` that also attributes what is saved inside each shard unit, and counts each unit's input
+    (what activation checkpointing keeps of it)."""
+
+    def __init__(self, units: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.inside: dict[int, dict[int, torch.Tensor]] = {}
+        self.inputs: dict[int, torch.Tensor] = {}
+        self._current: int | None = None
+        self._hooks = []
+        for unit in units:
+            self._hooks.append(unit.register_forward_pre_hook(self._enter))
+            self._hooks.append(unit.register_forward_hook(self._leave))
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self._current = id(module)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is not None:
+            self.inputs[id(first)] = first
+
+    def _leave(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        self._current = None
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._current is not None and not isinstance(t, torch.nn.Parameter):
+            self.inside.setdefault(self._current, {})[id(t)] = t
+        return super().pack(t)
+
+    def checkpointed(self) -> int:
+        inside = [_nbytes(d.values()) for d in self.inside.values()]
+        return self.bytes - sum(inside) + _nbytes(self.inputs.values()) + max(inside, default=0)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None,
+                 seen: SavedTensors | None = None) -> tuple[int | None, str | None]:
     """Bytes autograd saves in one training step on the first training batch (meta device)."""
     if data is None:
         return None, "no data module: activations not measured"
@@ -186,7 +248,7 @@ def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None)
     except (FileNotFoundError, OSError, ValueError) as exc:
         return None, f"activations not measured: the data could not be read ({type(exc).__name__}: {str(exc).splitlines()[0]})"
     batch = move_data_to_device(batch, torch.device("meta"))
-    seen = SavedTensors()
+    seen = seen if seen is not None else SavedTensors()
     model.train()
     try:
         with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(seen.pack, lambda t: t), warnings.catch_warnings():
@@ -204,9 +266,14 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
     cfg = build_parser("fit").parse_args(list(args))
     model, data = _instantiate(cfg)
     trainer = cfg.trainer
-    precision, strategy = str(trainer.get("precision") or "32-true"), str(trainer.get("strategy") or "auto")
+    precision = str(trainer.get("precision") or "32-true")
+    strategy_cfg = trainer.get("strategy") or "auto"
+    path = strategy_cfg.get("class_path") if hasattr(strategy_cfg, "get") else strategy_cfg
+    sharded = isinstance(path, str) and path.rsplit(".", 1)[-1] == "ShardedStrategy"
+    strategy = "ShardedStrategy (FSDP2)" if sharded else str(strategy_cfg)
     devices = trainer.get("devices")
-    devices = int(devices) if isinstance(devices, int) and devices > 0 else 1
+    devices = int(devices) if str(devices).isdigit() and int(devices) > 0 else 1
+    devices *= int(trainer.get("num_nodes") or 1) if sharded else 1
     notes: list[str] = []
     params = list(model.parameters())
     half = precision.startswith(("bf16-true", "16-true"))
@@ -216,7 +283,14 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
     grads = sum(p.numel() * (2 if half else p.element_size()) for p in trained)
     if precision.endswith("-mixed"):  # no autocast on the meta device: one dtype throughout (fp32, the upper bound)
         model.float()
-    activations, why = _activations(model, data)
+    from lowrank_lit.sharding import shard_units
+
+    seen = _UnitTensors(shard_units(model))
+    try:
+        activations, why = _activations(model, data, seen)
+    finally:
+        seen.remove()
+    checkpointed = seen.checkpointed() if activations is not None and seen.inside else None
     if why:
         notes.append(why)
     elif precision.endswith("-mixed"):
@@ -226,7 +300,8 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
     batch = cfg.data.get("init_args", {}).get("batch_size") if cfg.get("data") else None
     return MemoryEstimate(sum(p.numel() for p in params), sum(p.numel() for p in trained), weights, grads, state, ddp,
                           activations, devices, strategy, precision, batch, int(trainer.get("accumulate_grad_batches") or 1),
-                          notes)
+                          notes, buffers=_nbytes(model.buffers()), sharded=sharded,
+                          checkpointed_activations=checkpointed)
 
 
 def main(*, gpu_memory: PositiveFloat = 80.0, flags: PassThrough = []) -> int:  # noqa: B006

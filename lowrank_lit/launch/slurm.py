@@ -39,6 +39,10 @@ def _template() -> str:
     return resources.files("lowrank_lit.launch").joinpath("templates/sbatch.sh").read_text()
 
 
+#: the fragment ``lowrank submit --strategy fsdp`` composes after the run's configs
+FSDP_FRAGMENT = Path(__file__).resolve().parents[2] / "configs" / "base" / "trainer_fsdp.yaml"
+
+
 def render_script(
     *,
     fit_args: list[str] | None = None,
@@ -93,7 +97,9 @@ def render_script(
             launch += f" --trainer.devices={gpus_per_node} --trainer.num_nodes={nodes}"
     else:
         ntasks = gpus_per_node
-        strategy = ["--trainer.strategy=ddp"] if nodes * gpus_per_node > 1 or accelerator == "gpu" else []
+        sharded = any(str(a).endswith("trainer_fsdp.yaml") for a in fit_args or [])
+        several = nodes * gpus_per_node > 1 or accelerator == "gpu"
+        strategy = ["--trainer.strategy=ddp"] if several and not sharded else []
         cmd = ["srun", "--kill-on-bad-exit=1", python, "-m", "lowrank_lit", *(fit_args or []),
                f"--trainer.num_nodes={nodes}", f"--trainer.devices={gpus_per_node}", *strategy,
                f"--trainer.accelerator={accelerator}"]
@@ -142,7 +148,8 @@ def main(*, config: list[str] | None = None, sweep: str | None = None, array: Po
          trials_per_task: PositiveInt | None = None, storage: str | None = None, study_name: str | None = None, nodes: int = 1,
          gpus_per_node: int = 1, cpus_per_task: PositiveInt = 8, time: str = "04:00:00", partition: str | None = None,  # noqa: A002
          account: str | None = None, job_name: str | None = None, run_root: str = "runs",
-         accelerator: Literal["gpu", "cpu"] | None = None, dry_run: bool = False, extra: PassThrough = [],  # noqa: B006
+         accelerator: Literal["gpu", "cpu"] | None = None, strategy: Literal["ddp", "fsdp"] = "ddp",
+         dry_run: bool = False, extra: PassThrough = [],  # noqa: B006
          given: Typed = ()) -> int:
     """Write an sbatch script for a run or for sweep workers and submit it (``--config C.yaml ...`` or
     ``--sweep S.yaml --array K``; flags it does not know, and everything after ``--``, go to ``lowrank fit``).
@@ -164,11 +171,19 @@ def main(*, config: list[str] | None = None, sweep: str | None = None, array: Po
         run_root: run root (default: runs)
         accelerator: what each task runs on (default: the config's trainer.accelerator: cpu asks for no GPU,
             gpu/cuda/auto/unset ask for --gpus-per-node GPUs)
+        strategy: ddp (every GPU holds the whole model) or fsdp (configs/base/trainer_fsdp.yaml: parameters,
+            gradients and optimizer state sharded over every GPU of every node)
         dry_run: print the script instead of submitting it (nothing is written)
         extra: the flags passed on to `lowrank fit`
         given: the words after `lowrank submit`
     """
     config = config or []
+    if strategy == "fsdp":
+        if sweep:
+            print("lowrank submit: error: --strategy fsdp runs one sharded run (--config); allowed with --sweep: ddp",
+                  file=sys.stderr)
+            return 2
+        config = [*config, str(FSDP_FRAGMENT)]
     if bool(config) == bool(sweep):
         print("lowrank submit: error: pass either --config FILE (a run) or --sweep FILE --array K (sweep workers)",
               file=sys.stderr)

@@ -3,11 +3,14 @@ the tables written from the study."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import socket
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +111,16 @@ def _worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+#: seconds between a running trial's heartbeats (``alive_at``); a trial silent for 4 of them is orphaned
+HEARTBEAT_S = float(os.environ.get("LOWRANK_SWEEP_HEARTBEAT", "30"))
+
+
 def _orphaned(trial: Any) -> bool:
-    """A RUNNING trial whose worker ran on this host and has exited (killed without a chance to record it)."""
+    """A RUNNING trial whose worker has exited (killed without a chance to record it): on this host its process is
+    gone; on any host (a shared database) its heartbeat stopped more than 4 heartbeats ago."""
+    alive_at = trial.user_attrs.get("alive_at")
+    if isinstance(alive_at, int | float) and time.time() - alive_at > 4 * HEARTBEAT_S:
+        return True
     host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return False
@@ -194,12 +205,45 @@ def _next_trial(study: Any, spec: SweepSpec, cap: int | None, rng: Any) -> Any:
     return study.ask()
 
 
+def _claimed_key(trial: Any) -> str:
+    """The grid point a trial holds: its parameters, or before it has drawn them the point it was queued with."""
+    return _key(trial.params) if trial.params else _key(trial.system_attrs.get("fixed_params") or {})
+
+
 def _duplicate(study: Any, trial: Any, spec: SweepSpec) -> bool:
-    """Another worker claimed the same grid point first (a lower-numbered trial, running or finished)."""
+    """Another worker claimed the same grid point first: a lower-numbered trial with that point, running, finished or
+    queued (a queued point is visible from the moment it is queued, so of two workers that drew the same point at
+    once exactly one runs it, whatever order their steps interleave in)."""
+    import optuna
+
     if spec.method != "grid":
         return False
     mine = _key(trial.params)
-    return any(t.number < trial.number and _key(t.params) == mine and _taken(t) for t in study.get_trials(deepcopy=False))
+    waiting = optuna.trial.TrialState.WAITING
+    return any(t.number < trial.number and _claimed_key(t) == mine and (_taken(t) or t.state == waiting)
+               for t in study.get_trials(deepcopy=False))
+
+
+@contextlib.contextmanager
+def _heartbeat(study: Any, trial: Any) -> Iterator[None]:
+    """While a trial runs, its ``alive_at`` is refreshed every :data:`HEARTBEAT_S` seconds, so workers on other hosts
+    can tell a running trial from one whose worker was killed."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_S):
+            try:
+                study._storage.set_trial_user_attr(trial._trial_id, "alive_at", time.time())
+            except Exception:  # noqa: BLE001 - the trial was recorded meanwhile; the next claim says the rest
+                return
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial.number}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
 
 
 def run_sweep(
@@ -266,10 +310,12 @@ def run_sweep(
     def claim() -> tuple[Any, dict[str, Any]] | None:
         nonlocal started
         while stop.name is None and (n_trials is None or started < n_trials):
+            _requeue_interrupted(study)  # a worker killed meanwhile (any host): its trial is queued again
             trial = _next_trial(study, spec, cap, rng)
             if trial is None:
                 return None
             trial.set_user_attr("worker", _worker_id())
+            trial.set_user_attr("alive_at", time.time())
             params = suggest(trial, spec)
             if _duplicate(study, trial, spec):
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
@@ -309,9 +355,10 @@ def run_sweep(
                 prune = None if spec.early_terminate is None else {
                     "storage": storage, "study": study_name, "trial_id": trial._trial_id, "metric": spec.metric,
                     "early_terminate": spec.early_terminate}
-                res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
-                                extra_args=list(extra_args or []), log_dir=sweep_folder(run_root, study_name) / "logs",
-                                resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop, prune=prune)
+                with _heartbeat(study, trial):
+                    res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
+                                    extra_args=list(extra_args or []), log_dir=sweep_folder(run_root, study_name) / "logs",
+                                    resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop, prune=prune)
                 with lock:
                     record(trial, res)
         except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
@@ -336,8 +383,20 @@ def run_sweep(
 
 
 def optuna_storage(storage: str | None) -> Any:
+    """An optuna storage: a journal file (the default; safe on NFS), or a database URL (``sqlite:///x.db``,
+    ``postgresql://user@host:port/db`` with the ``postgres`` extra) for many workers on many hosts."""
     if storage is None:
         return None
+    if storage.startswith(("postgresql://", "postgresql+psycopg2://", "postgres://")):
+        try:
+            import psycopg2  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--storage={storage!r} needs the PostgreSQL driver: pip install 'lowrank-lit[postgres]' "
+                             "(psycopg2-binary)") from None
+        import optuna
+
+        scheme, rest = storage.split("://", 1)
+        return optuna.storages.RDBStorage(f"postgresql+psycopg2://{rest}", engine_kwargs={"pool_pre_ping": True})
     if "://" in storage:
         return storage
     import optuna

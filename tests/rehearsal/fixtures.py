@@ -337,3 +337,32 @@ def architecture_folder(path: Path, config_json: Path, tokenizer: Any) -> str:
     (path / "config.json").write_text(config_json.read_text())
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+class ShardBytes(Callback):
+    """Per rank, the bytes held of parameters and buffers, gradients (before the first optimizer step) and optimizer
+    state (at the end of fit), measured on the tensors (a sharded tensor counts its local shard); rank 0 writes
+    ``shard_bytes.json`` with every rank's three numbers."""
+
+    def __init__(self) -> None:
+        self.grads = 0
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        from lowrank_lit.sharding import local_bytes
+
+        if not self.grads:
+            self.grads = local_bytes([p.grad for p in pl_module.parameters() if p.grad is not None])
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        from lowrank_lit.sharding import local_bytes
+
+        weights = local_bytes(list(pl_module.parameters()) + list(pl_module.buffers()))
+        state = local_bytes([v for o in trainer.optimizers for st in o.state.values() for v in st.values()
+                             if isinstance(v, torch.Tensor) and v.ndim])
+        mine = torch.tensor([weights, self.grads, state], dtype=torch.float64)
+        every = trainer.strategy.all_gather(mine).reshape(-1, 3).tolist()
+        if trainer.is_global_zero:
+            from lowrank_lit.report import artifact_path
+
+            with open(artifact_path(trainer, "shard_bytes.json"), "w") as f:
+                json.dump({"world_size": trainer.world_size, "ranks": every}, f)

@@ -391,3 +391,76 @@ def test_lope_llama(tmp_path):
     assert trained and all(".lora_" in k or not k.startswith("lm.") for k in state)  # adapters only: the Llama is re-read
     _reload("lope/llama_gpu.yaml", run, paths, [*CPU, "--trainer.limit_test_batches=1", "--data.init_args.max_length=64"],
             tmp_path / "re")
+
+
+# ----------------------------------------------------------------------------------------- sharded (FSDP2), 2 gloo ranks
+#: the FSDP fragment on two CPU processes (fp32: bf16 matmuls on the CPU are slow and change nothing rehearsed)
+SHARDED = ["--config", str(ROOT / "configs" / "base" / "trainer_fsdp.yaml"), "--trainer.accelerator=cpu",
+           "--trainer.devices=2", "--trainer.strategy.init_args.mixed_precision=none", *QUIET]
+
+
+def _consolidated(run: Path) -> dict[str, torch.Tensor]:
+    """The sharded run's last.ckpt: one file whose tensors have the whole model's shapes (not 1/world shards)."""
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file(), ckpt
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_sharded_is_lowrank_then_nanoadam_llama(tmp_path):
+    text = fx.text_folder(tmp_path / "text")
+    paths = {"data.init_args.root": text, "data.init_args.pattern": "**/*.txt"}
+    extra = [*SHARDED, *FIT_STEPS, *TINY_LLAMA, "--model.init_args.optimizer.init_args.rank=8",
+             "--model.init_args.optimizer.init_args.update_proj_gap=1"]
+    run = _rehearse("is_lowrank/llama_gpu.yaml", paths, [*extra, "--trainer.callbacks+=tests.rehearsal.fixtures.ShardBytes"],
+                    tmp_path / "pre", processes=2)
+    _finite(run, "train/loss", "val/loss")
+    # memory per rank, measured on the tensors, against lowrank estimate's sharded line at this size
+    from lowrank_lit.launch.estimate import estimate
+
+    measured = json.loads((run / "shard_bytes.json").read_text())["ranks"]
+    est = estimate(fx.with_overrides(_command("is_lowrank/llama_gpu.yaml"), paths, extra)[1:])
+    assert est.sharded and est.devices == 2
+    for rank, (weights, grads, state) in enumerate(measured):
+        total = weights + grads + state
+        assert abs(total / est.sharded_state(2) - 1) < 0.10, (rank, measured, est.sharded_state(2))
+    state = _consolidated(run)
+    (embed,) = [v for k, v in state.items() if k.endswith("embed_tokens.weight")]
+    assert embed.shape[1] == 32 and embed.shape[0] > 32  # the whole table (vocabulary x hidden 32), not a shard
+    _reload("is_lowrank/llama_gpu.yaml", run, paths, [*CPU, *TINY_LLAMA, "--trainer.limit_test_batches=1"], tmp_path / "re")
+    paths = {"model.init_args.init_from": str(run / "checkpoints" / "last.ckpt"), "data.init_args.root": text}
+    tuned = _rehearse("nanoadam/llama_gpu.yaml", paths, [*SHARDED, *FIT_STEPS, *TINY_LLAMA], tmp_path / "tune", processes=2)
+    _finite(tuned, "train/loss", "val/loss")
+    _reload("nanoadam/llama_gpu.yaml", tuned, paths, [*CPU, *TINY_LLAMA, "--trainer.limit_test_batches=1"], tmp_path / "re2")
+
+
+def test_sharded_pt_moe_llama_1b(tmp_path):
+    model = fx.tiny_llama(tmp_path / "Llama-3.2-1B-Instruct", hidden=64)
+    paths = {"data.init_args.train_path": fx.write_jsonl(tmp_path / "qa" / "train.jsonl", fx.qa_records(48, 0)),
+             "data.init_args.val_path": fx.write_jsonl(tmp_path / "qa" / "dev.jsonl", fx.qa_records(16, 1)),
+             "model.init_args.backbone": model, "data.init_args.tokenizer": model}
+    extra = [*SHARDED, *FIT_STEPS, "--model.init_args.prompt.init_args.hidden=64", "--data.init_args.batch_size=8"]
+    run = _rehearse("pt_moe/llama_1b_gpu.yaml", paths, extra, tmp_path / "runs", processes=2)
+    _finite(run, "train/loss_step", "val/loss")
+    state = _consolidated(run)
+    assert any(".prompt." in k for k in state) and not any(".layers." in k for k in state)  # trained part only
+    _finite(_reload("pt_moe/llama_1b_gpu.yaml", run, paths, [*CPU, "--trainer.limit_val_batches=1", extra[-2]],
+                    tmp_path / "re", sub="validate"), "val/loss")
+
+
+def test_sharded_lope_llama(tmp_path):
+    model = fx.tiny_llama(tmp_path / "Llama-2-7b-hf")
+    alpaca = [{"instruction": r["question"], "input": r["context"], "output": r["answer"]} for r in fx.qa_records(64, 0)]
+    paths = {"model.init_args.backbone": model, "data.init_args.tokenizer": model,
+             "data.init_args.train_path": fx.write_jsonl(tmp_path / "train.jsonl", alpaca[:40]),
+             "data.init_args.val_path": fx.write_jsonl(tmp_path / "dev.jsonl", alpaca[40:52]),
+             "data.init_args.test_path": fx.write_jsonl(tmp_path / "test.jsonl", alpaca[52:])}
+    extra = [*SHARDED, "--trainer.max_epochs=-1", "--trainer.max_steps=4", "--trainer.limit_train_batches=2",
+             "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1", "--trainer.log_every_n_steps=1",
+             "--trainer.callbacks.init_args.stage1_steps=2", "--data.init_args.batch_size=8",
+             "--data.init_args.max_length=64", "--test_after_fit=false"]
+    run = _rehearse("lope/llama_gpu.yaml", paths, extra, tmp_path / "runs", processes=2)
+    _finite(run, "train/loss_step", "val/loss")
+    state = _consolidated(run)
+    assert [k for k in state if ".lora_" in k]
+    _reload("lope/llama_gpu.yaml", run, paths, [*CPU, "--trainer.limit_test_batches=1", "--data.init_args.max_length=64"],
+            tmp_path / "re")
