@@ -6,8 +6,9 @@ Hub models are built from ``config.json`` files with the public architecture val
 
     python benchmarks/scale_estimates.py            # prints the markdown tables of docs/scale.md
 
-The second table shards the same runs (configs/base/trainer_fsdp.yaml, activation checkpointing on) at the paper's
-global batch: for 1, 2, 4, 8, ... GPUs, the largest per-GPU micro-batch that fits 80 GiB, the rest accumulated.
+The second table shards the same runs (configs/base/trainer_fsdp.yaml, activation checkpointing off and on) at the
+paper's global batch: the fewest of 1, 2, 4, 8, ... GPUs and, for it, the largest per-GPU micro-batch that fits
+80 GiB, the rest of the batch accumulated.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ FSDP = ROOT / "configs" / "base" / "trainer_fsdp.yaml"
 
 def _sharded(tmp: Path) -> None:
     print()
-    print("| config | paper's batch | GPUs | per-GPU micro-batch x accumulation | sharded state per GPU | "
-          "activations (checkpointed) | total per GPU |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | paper's batch | activation checkpointing | GPUs | per-GPU micro-batch x accumulation | "
+          "sharded state per GPU | activations | total per GPU |")
+    print("|---|---|---|---|---|---|---|---|")
     seen = set()
     for name, extra in _rows(tmp):
         if name in seen:
@@ -69,25 +70,27 @@ def _sharded(tmp: Path) -> None:
         seen.add(name)
         base = estimate(["--config", str(ROOT / "configs" / f"{name}.yaml"), *extra])
         paper = (base.batch_size or 1) * base.accumulate
-        found = None
-        for gpus in (1, 2, 4, 8, 16, 32):
-            micro = max(1, min(base.batch_size or 1, paper // gpus))
-            while found is None and micro >= 1:
-                e = estimate(["--config", str(ROOT / "configs" / f"{name}.yaml"), *extra, "--config", str(FSDP),
-                              f"--trainer.devices={gpus}", "--trainer.strategy.init_args.activation_checkpointing=true",
-                              f"--data.init_args.batch_size={micro}"])
-                if e.total <= 80 * GiB:
-                    found = (gpus, micro, paper // (gpus * micro), e)
-                micro //= 2
-            if found:
-                break
-        if found is None:
-            print(f"| `{name}` | {paper} | > 32 | - | - | - | - |")
-            continue
-        gpus, micro, acc, e = found
-        act = "-" if e.checkpointed_activations is None else format_bytes(e.checkpointed_activations)
-        print(f"| `{name}` | {paper} | {gpus} | {micro} x {acc} | {format_bytes(e.sharded_state(gpus))} | {act} | "
-              f"{format_bytes(e.total)} |")
+        for checkpointing in (False, True):
+            found = None
+            for gpus in (1, 2, 4, 8, 16, 32):
+                micro = max(1, min(base.batch_size or 1, paper // gpus))
+                while found is None and micro >= 1:
+                    e = estimate(["--config", str(ROOT / "configs" / f"{name}.yaml"), *extra, "--config", str(FSDP),
+                                  f"--trainer.devices={gpus}", f"--data.init_args.batch_size={micro}",
+                                  f"--trainer.strategy.init_args.activation_checkpointing={str(checkpointing).lower()}"])
+                    if e.total <= 80 * GiB:
+                        found = (gpus, micro, paper // (gpus * micro), e)
+                    micro //= 2
+                if found:
+                    break
+            on = "on" if checkpointing else "off"
+            if found is None:
+                print(f"| `{name}` | {paper} | {on} | > 32 | - | - | - | - |")
+                continue
+            gpus, micro, acc, e = found
+            act = e.checkpointed_activations if checkpointing else e.activations
+            print(f"| `{name}` | {paper} | {on} | {gpus} | {micro} x {acc} | {format_bytes(e.sharded_state(gpus))} | "
+                  f"{'-' if act is None else format_bytes(act)} | {format_bytes(e.total)} |")
 
 
 def main() -> None:

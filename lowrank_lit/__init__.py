@@ -11,5 +11,5 @@ __version__ = "0.1.0"
 #: single modules at the end import nothing of the package.
 LAYERS = (
     "__main__", "cli", "launch", "methods", "studies", "callbacks", "tta", "models", "data", "envs", "optim", "nn",
-    "bench", "linalg", "loggers", "report", "registry", "artifacts", "checkpoint", "hub", "metrics", "seeding", "stats", "argtypes",
+    "sharding", "bench", "linalg", "loggers", "report", "registry", "artifacts", "checkpoint", "hub", "metrics", "seeding", "stats", "argtypes",
 )

@@ -137,6 +137,9 @@ class SeededOptimizer(torch.optim.Optimizer):
       reports the memory held in the state.
     """
 
+    #: under sharding, ``state_dict()`` returns the whole state in the one-process format (read by ShardedStrategy)
+    saves_whole_state = True
+
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int | None = None) -> None:
         self.generator = torch.Generator().manual_seed(torch.initial_seed() % 2**63 if seed is None else seed)
         self._owners: dict[int, int] | None = None  # sharded runs: the rank that updates each parameter

@@ -187,11 +187,10 @@ class ShardedStrategy(ModelParallelStrategy):
 
     @staticmethod
     def _whole_state(optimizer: Any) -> bool:
-        """Optimizers that write their own whole state under sharding (the framework's ``SeededOptimizer``s: their
-        state is per whole matrix, not per shard, which torch's sharded state-dict helpers cannot read)."""
-        from lowrank_lit.optim import SeededOptimizer
-
-        return isinstance(getattr(optimizer, "_optimizer", optimizer), SeededOptimizer)
+        """Optimizers that write their own whole state under sharding (``saves_whole_state``: the framework's
+        ``SeededOptimizer``s, whose state is per whole matrix, not per shard, which torch's sharded state-dict helpers
+        cannot read)."""
+        return bool(getattr(getattr(optimizer, "_optimizer", optimizer), "saves_whole_state", False))
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self._whole_state(optimizer):

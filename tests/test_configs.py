@@ -9,7 +9,7 @@ from tests.helpers import CONFIGS, MLP_CONFIG, PRESETS, config_subcommand, exper
 CONFIG_FILES = experiment_configs()
 PARSE_ONLY_FILES = experiment_configs(parse_only=True)
 CPU_FRAGMENTS = ["base/trainer_cpu.yaml", "debug/fast_dev_run.yaml", "debug/overfit.yaml", "debug/limit.yaml"]
-GPU_FRAGMENTS = ["base/trainer_gpu.yaml", "base/trainer_ddp.yaml"]
+GPU_FRAGMENTS = ["base/trainer_gpu.yaml", "base/trainer_ddp.yaml", "base/trainer_fsdp.yaml"]
 PRESET_FILES = sorted(PRESETS.glob("*.yaml"))
 
 

@@ -402,7 +402,7 @@ def test_the_sbatch_launch_line_trains_on_two_nodes_and_a_requeue_resumes_on_bot
     import signal
 
     frag = _stop_fragment(tmp_path)
-    extra = ["--trainer.max_epochs=4", "--test_after_fit=false", "--trainer.enable_progress_bar=false"]
+    extra = ["--trainer.max_epochs=4", "--test_after_fit=false"]
     if strategy == "fsdp":
         extra.append("--trainer.strategy.init_args.mixed_precision=none")
     proc = subprocess.run([sys.executable, "-m", "lowrank_lit", "submit", "--config", str(MLP_CONFIG), "--config",

@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lowrank_lit.artifacts import tensor_digest
+from lowrank_lit.sharding import full_tensor
 
 __all__ = ["TrainedOnly"]
 
@@ -45,11 +46,12 @@ class TrainedOnly(Callback):
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         omitted: dict[str, str] = checkpoint.get("frozen_omitted") or {}
         own = pl_module.state_dict()
-        missing = sorted(set(own) - set(checkpoint["state_dict"]) - set(omitted))
+        saved = checkpoint.get("state_dict")  # a sharded strategy has loaded it into the shards already
+        missing = sorted(set(own) - set(saved) - set(omitted)) if saved is not None else []
         if missing:
             raise ValueError(f"TrainedOnly: the checkpoint lacks {missing[0]!r}, which it did not leave out on purpose")
-        for name in sorted(omitted):
-            if name not in own or tensor_digest(own[name]) != omitted[name]:
+        for name in sorted(omitted):  # the same order on every rank: a sharded weight is gathered whole
+            if name not in own or tensor_digest(full_tensor(own[name])) != omitted[name]:
                 raise ValueError(f"TrainedOnly: frozen weight {name!r} differs from the one the checkpoint was trained "
                                  "on (another base model, pretrained file or seed); the run stops here")
 

@@ -64,11 +64,12 @@ class MemoryEstimate:
     buffers: int = 0  # of ``weights``: not sharded
     sharded: bool = False  # a ShardedStrategy run over ``devices`` processes
     checkpointed_activations: int | None = None  # the activations with activation checkpointing of the shard units
+    activation_checkpointing: bool = False  # the sharded strategy checkpoints its units' activations
 
     @property
     def total(self) -> int:
         if self.sharded:
-            return self.sharded_total(self.devices, self.checkpointed_activations is not None)
+            return self.sharded_total(self.devices, self.activation_checkpointing)
         return self.weights + self.gradients + self.optimizer + self.ddp_buckets + (self.activations or 0)
 
     def sharded_state(self, world: int) -> int:
@@ -270,6 +271,8 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
     strategy_cfg = trainer.get("strategy") or "auto"
     path = strategy_cfg.get("class_path") if hasattr(strategy_cfg, "get") else strategy_cfg
     sharded = isinstance(path, str) and path.rsplit(".", 1)[-1] == "ShardedStrategy"
+    init_args = strategy_cfg.get("init_args") if sharded and hasattr(strategy_cfg, "get") else None
+    checkpointing = bool(init_args.get("activation_checkpointing")) if init_args is not None else False
     strategy = "ShardedStrategy (FSDP2)" if sharded else str(strategy_cfg)
     devices = trainer.get("devices")
     devices = int(devices) if str(devices).isdigit() and int(devices) > 0 else 1
@@ -301,7 +304,7 @@ def estimate(args: Sequence[str]) -> MemoryEstimate:
     return MemoryEstimate(sum(p.numel() for p in params), sum(p.numel() for p in trained), weights, grads, state, ddp,
                           activations, devices, strategy, precision, batch, int(trainer.get("accumulate_grad_batches") or 1),
                           notes, buffers=_nbytes(model.buffers()), sharded=sharded,
-                          checkpointed_activations=checkpointed)
+                          checkpointed_activations=checkpointed, activation_checkpointing=checkpointing)
 
 
 def main(*, gpu_memory: PositiveFloat = 80.0, flags: PassThrough = []) -> int:  # noqa: B006
