@@ -23,6 +23,9 @@ FSDP = str(ROOT / "configs" / "base" / "trainer_fsdp.yaml")
 #: the largest weight difference measured between a 2-rank sharded and a 1-process update over 20 steps
 #: (LowRankAdam, NanoAdam, AdamQ3R; float32 gradients averaged in another order): 3.4e-7; the bound leaves 30x
 SHARDED_ATOL = 1e-5
+#: sharded against DDP training losses of the methods' CPU configs after up to 3 steps: float32 sums in another
+#: order, through up to 3 updates (Adam divides by sqrt(v), so a gradient's last bits move the weights by ~lr * eps)
+SHARDED_LOSS_RTOL = 1e-4
 
 
 # ----------------------------------------------------------------------------------------- the shard rule
@@ -237,7 +240,7 @@ def _fit(root, *extra, devices=2, timeout=600, verb="fit"):
 def test_sharded_steps_equal_single_process_steps_and_the_checkpoint_loads_on_one_process(tmp_path):
     """3 AdamW steps of the MLP baseline on 2 sharded ranks (batch 32 each) end with the weights of 3 steps in one
     process (batch 64, the same sampler permutation); the checkpoint is one consolidated file a one-process
-    ``lowrank test`` reads."""
+    ``lowrank test`` and ``lowrank export`` read."""
     common = ["--config", str(MLP_CONFIG), "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
               "--test_after_fit=false", "--model.init_args.backbone.init_args.dropout=0.0"]
     single = _fit(tmp_path / "single", *common, "--trainer.strategy=ddp", "--data.init_args.batch_size=64", devices=1)
@@ -261,6 +264,10 @@ def test_sharded_steps_equal_single_process_steps_and_the_checkpoint_loads_on_on
                           capture_output=True, text=True, env=env, timeout=600)
     assert test.returncode == 0, test.stderr[-2000:]
     assert "test/acc" in test.stdout + test.stderr
+    export = subprocess.run([sys.executable, "-m", "lowrank_lit", "export", "--ckpt_path", str(b), "--out",
+                             str(tmp_path / "export")], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert any((tmp_path / "export").iterdir())
 
 
 @pytest.mark.e2e
@@ -342,11 +349,62 @@ EVERY_METHOD = [
 @pytest.mark.e2e
 @pytest.mark.parametrize("config", EVERY_METHOD)
 def test_every_method_that_trains_runs_sharded(config, tmp_path):
-    """Two optimizer steps of each method's CPU config on 2 sharded gloo ranks, to the end of its fit (end-of-fit
-    evaluations included) and one consolidated checkpoint."""
-    proc = _fit(tmp_path, "--config", str(ROOT / "configs" / config), "--config", FSDP,
-                "--trainer.strategy.init_args.mixed_precision=none", "--trainer.max_steps=2",
+    """Three optimizer steps of each method's CPU config on 2 sharded gloo ranks run to the end of its fit (end-of-fit
+    evaluations included), write one consolidated checkpoint, and log the training losses of the same 2-process run
+    under DDP (the same data and random draws per rank: sharding changes only the order of float sums)."""
+    common = ["--config", str(ROOT / "configs" / config), "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",
+              "--trainer.limit_val_batches=1", "--test_after_fit=false"]
+    proc = _fit(tmp_path / "sharded", *common, "--config", FSDP, "--trainer.strategy.init_args.mixed_precision=none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (ckpt,) = (tmp_path / "sharded").rglob("last.ckpt")
+    assert ckpt.is_file()
+    ddp = _fit(tmp_path / "ddp", *common, "--trainer.strategy=ddp")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    sharded, plain = _train_losses(tmp_path / "sharded"), _train_losses(tmp_path / "ddp")
+    assert sharded and sharded.keys() == plain.keys(), (sharded, plain)
+    for key, values in plain.items():
+        assert len(sharded[key]) == len(values), key
+        for a, b in zip(sharded[key], values, strict=True):
+            assert a == pytest.approx(b, rel=SHARDED_LOSS_RTOL, abs=SHARDED_ATOL), (key, sharded[key], values)
+
+
+def _train_losses(root):
+    """The training losses rank 0 logged, by metric name, in step order (``metrics.csv``)."""
+    import csv
+
+    (path,) = [p for p in root.rglob("metrics.csv")]
+    out: dict[str, list[float]] = {}
+    for row in csv.DictReader(path.open()):
+        for key, value in row.items():
+            if key.startswith("train/") and "loss" in key and value not in ("", None):
+                out.setdefault(key, []).append(float(value))
+    return out
+
+
+@pytest.mark.rehearsal
+@pytest.mark.e2e
+@pytest.mark.parametrize("opt", ["galore", "importance", "nanoadam"])
+def test_the_optimizer_x_regularizer_cells_of_the_composition_grid_run_sharded(opt, tmp_path):
+    """grids/opt_reg_ptq.yaml: each memory-lean optimizer with Q3R on the same matrices, two steps on 2 sharded
+    ranks (the cell's fragments as ``lowrank matrix`` layers them on the base config)."""
+    import yaml
+
+    grid = yaml.safe_load((ROOT / "grids" / "opt_reg_ptq.yaml").read_text())
+    fragment = tmp_path / "cell.yaml"
+    nested: dict = {}
+    for key, value in {**grid["axes"]["opt"][opt], **grid["axes"]["reg"]["q3r"]}.items():
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    fragment.write_text(yaml.safe_dump(nested))
+    proc = _fit(tmp_path / "runs", "--config", str(ROOT / grid["config"]), "--config", str(fragment), "--config", FSDP,
+                "--trainer.strategy.init_args.mixed_precision=none", "--trainer.max_steps=6",
                 "--trainer.limit_val_batches=1", "--test_after_fit=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (ckpt,) = tmp_path.rglob("last.ckpt")
-    assert ckpt.is_file()
+    (ckpt,) = (tmp_path / "runs").rglob("last.ckpt")
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 6
+    states = saved["optimizer_states"][0]["state"]
+    assert all(st for st in states.values())  # the whole state of every matrix, gathered from its owner

@@ -257,11 +257,16 @@ def test_tiny_fixture_models_load_with_their_auto_classes(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- PT-MoE, Skrull, SeDPO
-def test_pt_moe_llama_1b(tmp_path):
+def _pt_moe_paths(tmp_path: Path) -> dict[str, str]:
+    """A tiny Llama (hidden 64) at the config's model path and QA train / dev files."""
     model = fx.tiny_llama(tmp_path / "Llama-3.2-1B-Instruct", hidden=64)
-    paths = {"data.init_args.train_path": fx.write_jsonl(tmp_path / "qa" / "train.jsonl", fx.qa_records(48, 0)),
-             "data.init_args.val_path": fx.write_jsonl(tmp_path / "qa" / "dev.jsonl", fx.qa_records(16, 1)),
-             "model.init_args.backbone": model, "data.init_args.tokenizer": model}
+    return {"data.init_args.train_path": fx.write_jsonl(tmp_path / "qa" / "train.jsonl", fx.qa_records(48, 0)),
+            "data.init_args.val_path": fx.write_jsonl(tmp_path / "qa" / "dev.jsonl", fx.qa_records(16, 1)),
+            "model.init_args.backbone": model, "data.init_args.tokenizer": model}
+
+
+def test_pt_moe_llama_1b(tmp_path):
+    paths = _pt_moe_paths(tmp_path)
     extra = [*CPU, *FIT_STEPS, "--model.init_args.prompt.init_args.hidden=64", "--data.init_args.batch_size=8"]
     run = _rehearse("pt_moe/llama_1b_gpu.yaml", paths, extra, tmp_path / "runs")
     _finite(run, "train/loss_step", "val/loss", "val/token_acc")
@@ -372,13 +377,18 @@ def test_gaze_3dpe_real_ddp(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- LoPE
-def test_lope_llama(tmp_path):
+def _lope_paths(tmp_path: Path) -> dict[str, str]:
+    """A tiny Llama at the config's model path and Alpaca-style train / dev / test files."""
     model = fx.tiny_llama(tmp_path / "Llama-2-7b-hf")
     alpaca = [{"instruction": r["question"], "input": r["context"], "output": r["answer"]} for r in fx.qa_records(64, 0)]
-    paths = {"model.init_args.backbone": model, "data.init_args.tokenizer": model,
-             "data.init_args.train_path": fx.write_jsonl(tmp_path / "train.jsonl", alpaca[:40]),
-             "data.init_args.val_path": fx.write_jsonl(tmp_path / "dev.jsonl", alpaca[40:52]),
-             "data.init_args.test_path": fx.write_jsonl(tmp_path / "test.jsonl", alpaca[52:])}
+    return {"model.init_args.backbone": model, "data.init_args.tokenizer": model,
+            "data.init_args.train_path": fx.write_jsonl(tmp_path / "train.jsonl", alpaca[:40]),
+            "data.init_args.val_path": fx.write_jsonl(tmp_path / "dev.jsonl", alpaca[40:52]),
+            "data.init_args.test_path": fx.write_jsonl(tmp_path / "test.jsonl", alpaca[52:])}
+
+
+def test_lope_llama(tmp_path):
+    paths = _lope_paths(tmp_path)
     # 4 steps: stage I (A and B_D, noisy copies, embedding noise) for 2, then stage II
     extra = [*CPU, "--trainer.max_epochs=-1", "--trainer.max_steps=4", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
              "--trainer.limit_test_batches=1", "--trainer.log_every_n_steps=1", "--trainer.callbacks.init_args.stage1_steps=2",
@@ -434,10 +444,7 @@ def test_sharded_is_lowrank_then_nanoadam_llama(tmp_path):
 
 
 def test_sharded_pt_moe_llama_1b(tmp_path):
-    model = fx.tiny_llama(tmp_path / "Llama-3.2-1B-Instruct", hidden=64)
-    paths = {"data.init_args.train_path": fx.write_jsonl(tmp_path / "qa" / "train.jsonl", fx.qa_records(48, 0)),
-             "data.init_args.val_path": fx.write_jsonl(tmp_path / "qa" / "dev.jsonl", fx.qa_records(16, 1)),
-             "model.init_args.backbone": model, "data.init_args.tokenizer": model}
+    paths = _pt_moe_paths(tmp_path)
     extra = [*SHARDED, *FIT_STEPS, "--model.init_args.prompt.init_args.hidden=64", "--data.init_args.batch_size=8"]
     run = _rehearse("pt_moe/llama_1b_gpu.yaml", paths, extra, tmp_path / "runs", processes=2)
     _finite(run, "train/loss_step", "val/loss")
@@ -448,12 +455,7 @@ def test_sharded_pt_moe_llama_1b(tmp_path):
 
 
 def test_sharded_lope_llama(tmp_path):
-    model = fx.tiny_llama(tmp_path / "Llama-2-7b-hf")
-    alpaca = [{"instruction": r["question"], "input": r["context"], "output": r["answer"]} for r in fx.qa_records(64, 0)]
-    paths = {"model.init_args.backbone": model, "data.init_args.tokenizer": model,
-             "data.init_args.train_path": fx.write_jsonl(tmp_path / "train.jsonl", alpaca[:40]),
-             "data.init_args.val_path": fx.write_jsonl(tmp_path / "dev.jsonl", alpaca[40:52]),
-             "data.init_args.test_path": fx.write_jsonl(tmp_path / "test.jsonl", alpaca[52:])}
+    paths = _lope_paths(tmp_path)
     extra = [*SHARDED, "--trainer.max_epochs=-1", "--trainer.max_steps=4", "--trainer.limit_train_batches=2",
              "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1", "--trainer.log_every_n_steps=1",
              "--trainer.callbacks.init_args.stage1_steps=2", "--data.init_args.batch_size=8",
