@@ -223,6 +223,8 @@ class ShardedStrategy(ModelParallelStrategy):
 def sharding_refusal(cls: type) -> str | None:
     """The one-line reason a LightningModule class does not run sharded, or None when it does."""
     reason = getattr(cls, "sharding_refusal", None)
+    if not reason and getattr(cls, "ddp_find_unused_parameters", False):
+        reason = "some parameters get no gradient on some ranks (FSDP2 reduces the same ones on every rank); use ddp"
     if reason:
         return f"{cls.__name__} does not run sharded (trainer.strategy: ShardedStrategy): {reason}"
     if not issubclass(cls, Shardable):

