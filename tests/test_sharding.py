@@ -238,17 +238,29 @@ def _fit(root, *extra, devices=2, timeout=600, verb="fit"):
                            "--run_root", str(root)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+#: one process with the config's batch against 2 sharded ranks with half of it each: (config, batch, overrides)
+ONE_PROCESS = {
+    "baseline": ("baseline/mlp_digits.yaml", 64, ["--model.init_args.backbone.init_args.dropout=0.0"]),
+    "q3r": ("q3r/mlp_digits.yaml", 64, []),
+    "is_lowrank": ("is_lowrank/char_lm.yaml", 32, ["--model.init_args.optimizer.init_args.update_proj_gap=1"]),
+}
+
+
 @pytest.mark.e2e
-def test_sharded_steps_equal_single_process_steps_and_the_checkpoint_loads_on_one_process(tmp_path):
-    """3 AdamW steps of the MLP baseline on 2 sharded ranks (batch 32 each) end with the weights of 3 steps in one
-    process (batch 64, the same sampler permutation); the checkpoint is one consolidated file a one-process
-    ``lowrank test`` and ``lowrank export`` read."""
-    common = ["--config", str(MLP_CONFIG), "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
-              "--test_after_fit=false", "--model.init_args.backbone.init_args.dropout=0.0"]
-    single = _fit(tmp_path / "single", *common, "--trainer.strategy=ddp", "--data.init_args.batch_size=64", devices=1)
+@pytest.mark.parametrize("name", sorted(ONE_PROCESS))
+def test_sharded_steps_equal_single_process_steps(name, tmp_path):
+    """3 steps of a config on 2 sharded ranks (half the batch each) end with the weights of 3 steps in one process
+    with the whole batch (the same sampler permutation): the MLP baseline (AdamW), Q3R (its config: Adam, then the
+    reweighting step on both hidden matrices) and LowRankAdam with a new importance-sampled subspace every step. The
+    checkpoint is one consolidated file."""
+    config, batch, extra = ONE_PROCESS[name]
+    common = ["--config", str(ROOT / "configs" / config), "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+              "--test_after_fit=false", *extra]
+    single = _fit(tmp_path / "single", *common, "--trainer.strategy=ddp", f"--data.init_args.batch_size={batch}",
+                  devices=1)
     assert single.returncode == 0, single.stderr[-2000:]
     sharded = _fit(tmp_path / "sharded", *common, "--config", FSDP, "--trainer.strategy.init_args.mixed_precision=none",
-                   "--data.init_args.batch_size=32")
+                   f"--data.init_args.batch_size={batch // 2}")
     assert sharded.returncode == 0, sharded.stderr[-2000:]
     (a,) = (tmp_path / "single").rglob("last.ckpt")
     (b,) = (tmp_path / "sharded").rglob("last.ckpt")
@@ -258,6 +270,16 @@ def test_sharded_steps_equal_single_process_steps_and_the_checkpoint_loads_on_on
     assert set(wa) == set(wb)
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], atol=SHARDED_ATOL, rtol=0, msg=key)
+
+
+@pytest.mark.e2e
+def test_a_sharded_checkpoint_is_read_by_one_process_test_and_export(tmp_path):
+    """The consolidated checkpoint of a sharded run: ``lowrank test`` and ``lowrank export`` read it on one process."""
+    common = ["--config", str(MLP_CONFIG), "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+              "--test_after_fit=false", "--model.init_args.backbone.init_args.dropout=0.0"]
+    sharded = _fit(tmp_path / "sharded", *common, "--config", FSDP, "--trainer.strategy.init_args.mixed_precision=none")
+    assert sharded.returncode == 0, sharded.stderr[-2000:]
+    (b,) = (tmp_path / "sharded").rglob("last.ckpt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
     env.pop("LOWRANK_RUN_DIR", None)
     test = subprocess.run([sys.executable, "-m", "lowrank_lit", "test", "--config", str(MLP_CONFIG), "--ckpt_path", str(b),
