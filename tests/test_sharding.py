@@ -243,6 +243,7 @@ ONE_PROCESS = {
     "baseline": ("baseline/mlp_digits.yaml", 64, ["--model.init_args.backbone.init_args.dropout=0.0"]),
     "q3r": ("q3r/mlp_digits.yaml", 64, []),
     "is_lowrank": ("is_lowrank/char_lm.yaml", 32, ["--model.init_args.optimizer.init_args.update_proj_gap=1"]),
+    "capt": ("capt/templated_capt.yaml", 32, []),
 }
 
 
@@ -251,8 +252,8 @@ ONE_PROCESS = {
 def test_sharded_steps_equal_single_process_steps(name, tmp_path):
     """3 steps of a config on 2 sharded ranks (half the batch each) end with the weights of 3 steps in one process
     with the whole batch (the same sampler permutation): the MLP baseline (AdamW), Q3R (its config: Adam, then the
-    reweighting step on both hidden matrices) and LowRankAdam with a new importance-sampled subspace every step. The
-    checkpoint is one consolidated file."""
+    reweighting step on both hidden matrices), LowRankAdam with a new importance-sampled subspace every step, and
+    CaPT's capsule prompt on the frozen MiniLM. The checkpoint is one consolidated file."""
     config, batch, extra = ONE_PROCESS[name]
     common = ["--config", str(ROOT / "configs" / config), "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
               "--test_after_fit=false", *extra]
