@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from lowrank_lit.nn.targets import match_names
-from lowrank_lit.sharding import is_sharded, owners, whole_matrix_update
+from lowrank_lit.sharding import from_owner, is_sharded, owners, whole_matrix_update
 
 __all__ = ["WarmupCosineLR", "linear_warmup", "matrix_param_groups", "SeededOptimizer"]
 
@@ -177,7 +177,6 @@ class SeededOptimizer(torch.optim.Optimizer):
         """A sharded parameter (FSDP2 DTensor) is updated whole on the rank that owns it
         (:func:`lowrank_lit.sharding.whole_matrix_update`): the update equals the one-process update, and the state of
         a parameter lives on its owner only."""
-
         whole_matrix_update(p, self._owner(p), lambda w, g: self.update(w, g, state, group, t), self.generator)
 
     def _owner(self, p: torch.Tensor) -> int:
@@ -208,9 +207,7 @@ class SeededOptimizer(torch.optim.Optimizer):
                                for k, v in (own or {}).items()}
                     else:
                         owner = self._owner(p)
-                        shared = [own if dist.get_rank() == owner else None]
-                        dist.broadcast_object_list(shared, src=owner)
-                        own = shared[0]
+                        own = from_owner(own if dist.get_rank() == owner else None, owner)
                     if own is not None:
                         state[index] = own
                 index += 1

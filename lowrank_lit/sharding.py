@@ -37,7 +37,7 @@ from torch import nn
 
 __all__ = [
     "ShardedStrategy", "Shardable", "shard_unit", "shard_units", "shard_module", "sharding_refusal", "is_sharded",
-    "full_tensor", "owners", "whole_matrix_update", "local_bytes", "unsharded_copy",
+    "full_tensor", "owners", "from_owner", "whole_matrix_update", "local_bytes", "unsharded_copy",
 ]
 
 _UNITS: set[str] = set()  # dotted class names
@@ -49,7 +49,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def shard_unit(cls: type | str) -> type | str:
     """Declare a class a shard unit of its model family: a class decorator, or called once beside the family with
     the class or its dotted name (``"timm.models.vision_transformer.Block"``: no import needed)."""
-    _UNITS.add(cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}")
+    _UNITS.add(cls if isinstance(cls, str) else _dotted(cls))
     return cls
 
 
@@ -88,6 +88,11 @@ def _wrap_checkpointing(module: nn.Module, units: list[nn.Module]) -> list[nn.Mo
     return wrapped[::-1]
 
 
+def _check_mixed_precision(value: str, where: str) -> None:
+    if value not in ("none", *_DTYPES):
+        raise ValueError(f"{where}: mixed_precision={value!r}; allowed: none, bf16, fp16")
+
+
 def shard_module(module: nn.Module, mesh: Any, mixed_precision: str = "none", activation_checkpointing: bool = False,
                  reshard_after_forward: bool = True) -> int:
     """Shard ``module`` (a LightningModule or any module) over ``mesh`` by the rule above; returns the number of units.
@@ -107,8 +112,7 @@ def shard_module(module: nn.Module, mesh: Any, mixed_precision: str = "none", ac
         register_fsdp_forward_method,
     )
 
-    if mixed_precision not in ("none", *_DTYPES):
-        raise ValueError(f"shard_module: mixed_precision={mixed_precision!r}; allowed: none, bf16, fp16")
+    _check_mixed_precision(mixed_precision, "shard_module")
     if isinstance(module, FSDPModule):
         return 0  # already sharded (a second stage of the same trainer: validate or test after fit)
     units = shard_units(module)
@@ -162,8 +166,7 @@ class ShardedStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
     ) -> None:
-        if mixed_precision not in ("none", *_DTYPES):
-            raise ValueError(f"ShardedStrategy: mixed_precision={mixed_precision!r}; allowed: none, bf16, fp16")
+        _check_mixed_precision(mixed_precision, "ShardedStrategy")
         kwargs = {} if timeout is None else {"timeout": timeout}
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -337,6 +340,16 @@ def owners(params: list[torch.Tensor], world: int) -> dict[int, int]:
     return out
 
 
+def from_owner(value: Any, owner: int) -> Any:
+    """``value`` as the rank ``owner`` holds it, on every rank (a broadcast of one picklable object; every rank calls
+    it)."""
+    import torch.distributed as dist
+
+    shared = [value]
+    dist.broadcast_object_list(shared, src=owner)
+    return shared[0]
+
+
 def whole_matrix_update(p: torch.Tensor, owner: int, update: Callable[[torch.Tensor, Any], None],
                         generator: torch.Generator | None = None, with_grad: bool = True) -> None:
     """Run ``update(weight, grad)`` (in place on ``weight``) on the whole matrix of the sharded parameter ``p``, on the
@@ -356,8 +369,6 @@ def whole_matrix_update(p: torch.Tensor, owner: int, update: Callable[[torch.Ten
     if rank == owner:
         update(weight, grad)
     if generator is not None:
-        state = [generator.get_state()]
-        dist.broadcast_object_list(state, src=owner)
-        generator.set_state(state[0])
+        generator.set_state(from_owner(generator.get_state(), owner))
     new = distribute_tensor(weight, p.device_mesh, p.placements, src_data_rank=owner)  # type: ignore[attr-defined]
     p.to_local().copy_(new.to_local())  # type: ignore[attr-defined]

@@ -64,7 +64,7 @@ from lowrank_lit.report import (
     save_figure,
     save_rows,
 )
-from lowrank_lit.sharding import full_tensor, is_sharded, owners, whole_matrix_update
+from lowrank_lit.sharding import from_owner, full_tensor, is_sharded, owners, whole_matrix_update
 
 __all__ = [
     "EPS_SCHEDULES",
@@ -246,9 +246,8 @@ class Q3RRegularizer:
             W = full_tensor(t.module.weight.detach())[t.rows].float()  # (d1, d2), gathered on every rank
             if dist.get_rank() == owner:
                 self._refresh(t, W)
-            shared = [(t.eps, t.eps0, t.r_env)]  # every rank logs and schedules alike; the bases stay on the owner
-            dist.broadcast_object_list(shared, src=owner)
-            t.eps, t.eps0, t.r_env = shared[0]
+            # every rank logs and schedules alike; the bases stay on the owner
+            t.eps, t.eps0, t.r_env = from_owner((t.eps, t.eps0, t.r_env), owner)
 
     def _refresh(self, t: Q3RTarget, W: torch.Tensor) -> None:
         if not torch.isfinite(W).all():
@@ -339,9 +338,7 @@ class Q3RRegularizer:
                 value = float((W.float() * self.apply(t, W).float()).sum())
                 row = {"eps": t.eps, "r_env": float(t.r_env), "erank": entropy_rank(t.sigma), "penalty": self.lam * value}
             if owner is not None:  # computed where the bases are, known to every rank
-                shared = [row]
-                dist.broadcast_object_list(shared, src=owner)
-                row = shared[0]
+                row = from_owner(row, owner)
             if row is not None:
                 out[t.name] = row
         return out
@@ -353,11 +350,7 @@ class Q3RRegularizer:
         for t in self.targets:
             row = {"eps": t.eps, "eps0": t.eps0, "r_env": t.r_env, "U": t.U, "V": t.V, "sigma": t.sigma}
             owner = self._owner(t)
-            if owner is not None:
-                shared = [row]
-                dist.broadcast_object_list(shared, src=owner)
-                row = shared[0]
-            targets[t.name] = row
+            targets[t.name] = row if owner is None else from_owner(row, owner)
         return {"steps": self.steps, "targets": targets}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
