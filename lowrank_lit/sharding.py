@@ -176,6 +176,9 @@ class ShardedStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
 
     def setup_environment(self) -> None:
+        if self._layer_sync is not None:  # Lightning's ModelParallelStrategy would leave it out without a word
+            raise ValueError("ShardedStrategy: trainer.sync_batchnorm=true is not applied to sharded runs; allowed: false "
+                             "(BatchNorm then uses each process's batch statistics, as DDP without it does)")
         self._data_parallel_size = self.num_nodes * self.num_processes  # every process in one data-parallel mesh
         super().setup_environment()
 

@@ -229,9 +229,11 @@ class DigitsSplitDataModule(DigitsDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.sets["target_train"], shuffle=True)
 
-    def source_train_dataloader(self, generator: torch.Generator | None = None) -> DataLoader:
-        """Shuffled source-class training batches (for pretraining)."""
-        return DataLoader(self.sets["source_train"], batch_size=self.batch_size, shuffle=True, generator=generator)
+    def source_train_dataloader(self, generator: torch.Generator | None = None,
+                                batch_size: int | None = None) -> DataLoader:
+        """Shuffled source-class training batches (for pretraining); ``batch_size`` None: the data module's."""
+        return DataLoader(self.sets["source_train"], batch_size=batch_size or self.batch_size, shuffle=True,
+                          generator=generator)
 
     def val_dataloader(self) -> list:
         return []  # no validation loop: the test loaders measure both tasks at the end

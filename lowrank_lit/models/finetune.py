@@ -47,6 +47,9 @@ class SplitClassFinetune(Shardable, pl.LightningModule):
         num_target: target classes. Default: 5.
         pretrain_epochs: epochs of source pretraining. Default: 40 (card).
         pretrain_lr: AdamW lr of the pretraining. Default: 1e-3 (card).
+        pretrain_batch_size: batch of the pretraining. Default: 64 (card). Its own argument, not the data module's
+            per-process batch, so one process, DDP and sharded runs (each process pretrains the whole model alike)
+            and ``lowrank export`` start from the same pretrained model.
     """
 
     def __init__(
@@ -58,11 +61,14 @@ class SplitClassFinetune(Shardable, pl.LightningModule):
         num_target: int = 5,
         pretrain_epochs: int = 40,
         pretrain_lr: LearningRate = 1e-3,
+        pretrain_batch_size: int = 64,
     ) -> None:
         super().__init__()
         hidden = [256, 256, 128] if hidden is None else list(hidden)
         if pretrain_epochs < 0 or pretrain_lr <= 0:
             raise ValueError(f"SplitClassFinetune: pretrain_epochs={pretrain_epochs}, pretrain_lr={pretrain_lr}; allowed: >= 0 and > 0")
+        if pretrain_batch_size < 1:
+            raise ValueError(f"SplitClassFinetune: pretrain_batch_size={pretrain_batch_size}; allowed: an integer >= 1")
         self.save_hyperparameters(ignore=["optimizer"], logger=False)
         layers: list[nn.Module] = []
         width = in_features
@@ -118,23 +124,23 @@ class SplitClassFinetune(Shardable, pl.LightningModule):
             raise ValueError("SplitClassFinetune.prepare_base: needs the data module (DigitsSplitDataModule) to pretrain")
         datamodule.setup("fit")  # idempotent
         gen = torch.Generator().manual_seed(int(torch.initial_seed()) % 2**63)
-        loss = self.pretrain(datamodule.source_train_dataloader(generator=gen))
+        loss = self.pretrain(datamodule.source_train_dataloader(generator=gen, batch_size=self.hparams.pretrain_batch_size))
         self.theta_pre.copy_(self.body_vector())
         self.pretrained.fill_(True)
         return loss
 
     def configure_model(self) -> None:
-        if getattr(self, "device_mesh", None) is not None and self.trainer.state.fn == "fit":
-            # sharded: each rank pretrains the whole model alike (seeded) before it is sharded, since the pretraining
-            # loop runs outside the training steps that gather the sharded weights
-            self.prepare_base(self.trainer.datamodule)
+        if self.trainer.state.fn == "fit":
+            # before the strategy wraps the model: each process pretrains the whole model alike (seeded), and the
+            # source head is frozen before DDP registers its parameters or FSDP shards them (the pretraining loop
+            # runs outside the training steps that gather sharded weights). A resumed run pretrains again (seeded,
+            # so the same base) and then restores its checkpoint over it; a checkpoint that leaves out the frozen
+            # source head (callbacks/trained_only.yaml) finds the same head it recorded
+            loss = self.prepare_base(self.trainer.datamodule)
+            if loss is not None:
+                self.print(f"pretrained on the source classes: final loss {loss:.4f}")
+            self.head_src.requires_grad_(False)
         super().configure_model()
-
-    def on_fit_start(self) -> None:
-        loss = self.prepare_base(self.trainer.datamodule)  # a resumed run keeps its pretrained weights and reference
-        if loss is not None:
-            self.print(f"pretrained on the source classes: final loss {loss:.4f}")
-        self.head_src.requires_grad_(False)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
