@@ -92,7 +92,8 @@ def digits_table(res: dict[tuple[str, str, int], tuple[list[float], float]], see
                         f"{mean_std(accs, '.4f')} |")
     if len(seeds) > 1:
         for method in ("glvq", "scalar"):
-            v = verdict([res[(method, "symmetric", s)][1] for s in seeds], [res[(method, "integer", s)][1] for s in seeds])
+            v = verdict([res[(method, "symmetric", s)][1] for s in seeds], [res[(method, "integer", s)][1] for s in seeds],
+                        delta=0.01)
             rows.append(f"\n{method}, accuracy symmetric >= integer: {v}")
     return rows
 

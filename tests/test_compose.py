@@ -75,7 +75,7 @@ def test_compress_adapt_merge_configs_run(config, tmp_path):
 
 
 #: seeds of the compress -> adapt -> merge study (each run about 30 s)
-MERGE_SEEDS = (0, 1, 2, 3, 4)
+MERGE_SEEDS = tuple(range(10))  # the seed budget (docs/reproduce.md, "How many seeds")
 
 
 @pytest.mark.slow
@@ -102,10 +102,10 @@ def test_must_show_compress_adapt_merge_on_the_digits_mlp(tmp_path):
     assert all(r["codes_unchanged"] == 1.0 for r in got["glvq"])
     adapted, merged = col("acc_adapted"), col("acc_merged")
     verdicts = {
-        "adapters recover >= 1 point": verdict(adapted, col("acc_quantized"), margin=0.01),
-        "adapted >= fp - 1 point": verdict(adapted, col("acc_fp"), margin=-0.01),
-        "merged > adapted - 1 point": verdict(merged, adapted, margin=-0.01),
-        "merged < adapted + 1 point": verdict(adapted, merged, margin=-0.01),
+        "adapters recover >= 1 point": verdict(adapted, col("acc_quantized"), margin=0.01, delta=0.01),
+        "adapted >= fp - 1 point": verdict(adapted, col("acc_fp"), margin=-0.01, delta=0.01),
+        "merged > adapted - 1 point": verdict(merged, adapted, margin=-0.01, delta=0.01),
+        "merged < adapted + 1 point": verdict(adapted, merged, margin=-0.01, delta=0.01),
     }
     print(got, {k: str(v) for k, v in verdicts.items()})
     assert verdicts.keys() == MERGE_VERDICTS.keys()
@@ -116,9 +116,9 @@ def test_must_show_compress_adapt_merge_on_the_digits_mlp(tmp_path):
 #: 1 point or more is a tie; merged within 1 point of adapted: the CPU kernels disagree (native: merging costs 1.6
 #: points, [0.9, 2.3], a tie; the default kernels at 1 thread: 0.6, [0.3, 0.9], holds), so a tie, either accepted
 MERGE_VERDICTS = {
-    "adapters recover >= 1 point": ("tie",),
+    "adapters recover >= 1 point": ("inconclusive",),
     "adapted >= fp - 1 point": ("holds",),
-    "merged > adapted - 1 point": ("tie", "holds"),
+    "merged > adapted - 1 point": ("inconclusive", "holds"),
     "merged < adapted + 1 point": ("holds",),
 }
 

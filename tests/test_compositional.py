@@ -134,22 +134,22 @@ def test_must_show_frozen_features_fail():
     probe = [linear_probe(seed) for seed in (0, 1, 2)]
     hardest = sorted(FAMILIES, key=lambda f: _mean(probe, f))[:2]
     for f in hardest:  # judged by the verdict rule over the splits: 0.85 - accuracy > 0
-        expect_verdict("holds", [0.85 - p[f] for p in probe], claim=f"frozen features <= 85 % on {f}")
-    expect_verdict("holds", [0.90 - p["overall"] for p in probe], claim="frozen features <= 90 % overall")
+        expect_verdict("holds", [0.85 - p[f] for p in probe], delta=0.01, claim=f"frozen features <= 85 % on {f}")
+    expect_verdict("holds", [0.90 - p["overall"] for p in probe], delta=0.01, claim="frozen features <= 90 % overall")
 
 
 @pytest.mark.slow
 def test_must_show_fine_tuning_solves_it():
     """The upper side, over data split and init seeds 0-2: full fine-tuning (10 epochs, AdamW 5e-5) reaches >= 95 %
     overall and on every family, so the gap adaptation can close is real. Judged by the verdict rule over the three
-    seeds it holds overall and on every family but negation, a tie (99.6 / 99.8 / 95.8 %: seed 2 is 0.8 points
+    seeds it holds overall and on every family but negation, inconclusive (99.6 / 99.8 / 95.8 %: seed 2 is 0.8 points
     above the bar, and three seeds leave an interval of about +-5.6 points).
     ``python benchmarks/compositional_ceiling.py --methods fine_tune`` prints the same table (~40 min)."""
     from lowrank_lit.stats import expect_verdict
     from lowrank_lit.studies.peft_bench import fine_tune
 
     tuned = [fine_tune(seed) for seed in (0, 1, 2)]
-    expect_verdict("holds", [t["overall"] for t in tuned], margin=0.95, claim="fine-tuning >= 95 % overall")
+    expect_verdict("holds", [t["overall"] for t in tuned], margin=0.95, delta=0.01, claim="fine-tuning >= 95 % overall")
     for f in FAMILIES:
-        expect_verdict("tie" if f == "negation" else "holds", [t[f] for t in tuned], margin=0.95,
+        expect_verdict("inconclusive" if f == "negation" else "holds", [t[f] for t in tuned], margin=0.95, delta=0.01,
                        claim=f"fine-tuning >= 95 % on {f}")

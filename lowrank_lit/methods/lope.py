@@ -137,12 +137,16 @@ class LoPEStageCallback(Callback):
             ``B_D`` can fit the noise but not the task; classifiers only). Default: true.
         stage1_poison_weight: ``w_D`` in stage I, in (0, 1] (the paper: 1; below 1, ours: ``B_D`` trains at part
             weight). Default: 1.0.
+        test_diagnostics: log the routing shares and the unmasked / ``B_D``-alone accuracies in the test loop (up to
+            four more forward passes per test batch, besides the model's own); False leaves the test loop to the
+            inference alone (``lowrank bench lope`` times it so). Default: True.
     """
 
     def __init__(self, stage1_steps: int = 150, emb_alpha: float = 0.05, mask_at_inference: bool = True,
                  compensate_k: int | None = None, compensate_beta: float = 1.0, allow_skip_stage1: bool = False,
                  stage1_inputs: Literal["original_and_noisy", "noisy_only"] = "original_and_noisy",
-                 stage1_labels: Literal["true", "shuffled"] = "true", stage1_poison_weight: float = 1.0) -> None:
+                 stage1_labels: Literal["true", "shuffled"] = "true", stage1_poison_weight: float = 1.0,
+                 test_diagnostics: bool = True) -> None:
         if stage1_steps < 0 or (stage1_steps == 0 and not allow_skip_stage1):
             raise ValueError(f"LoPEStageCallback: stage1_steps={stage1_steps}; allowed: an integer >= 1 (stage II needs the "
                              "poisoning expert trained in stage I; allow_skip_stage1=true runs stage II alone)")
@@ -159,6 +163,7 @@ class LoPEStageCallback(Callback):
         if not 0 < stage1_poison_weight <= 1:
             raise ValueError(f"LoPEStageCallback: stage1_poison_weight={stage1_poison_weight}; allowed: a float in (0, 1]")
         self.stage1_inputs, self.stage1_labels, self.stage1_poison_weight = stage1_inputs, stage1_labels, stage1_poison_weight
+        self.test_diagnostics = bool(test_diagnostics)
         self.stage1_steps, self.noise = stage1_steps, HyNoIse(emb_alpha)
         self.mask_at_inference, self.compensate_k, self.compensate_beta = mask_at_inference, compensate_k, compensate_beta
         self.stage: int | None = None
@@ -230,6 +235,8 @@ class LoPEStageCallback(Callback):
 
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                           batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not self.test_diagnostics:
+            return
         if isinstance(batch, dict):  # QADataModule batches (PromptTunedLM)
             inputs = {"clean": (batch["input_ids"], batch["attention_mask"])}
             if "noisy_input_ids" in batch:
@@ -327,15 +334,24 @@ def summary(roots: list[str], out: str | None = None) -> str:
 
 
 def bench(ctx: Any) -> list[Any]:
-    """Training-step time of the LoPE adapter (3 + 1 experts, router) against LoRA (``lowrank bench lope``)."""
+    """Training-step and inference time of the LoPE adapter (3 + 1 experts, router) against LoRA and against
+    HydraLoRA, the MoE-LoRA it extends (``lowrank bench lope``). Inference is timed without the test loop's
+    diagnostics (``test_diagnostics=false``: routing shares and the unmasked / ``B_D``-alone accuracies, four more
+    forward passes per batch)."""
     from lowrank_lit.bench import ConfigBench
 
+    inference_only = ("--trainer.callbacks.test_diagnostics=false",)
     return [ConfigBench("lope", "LoPE adapter training step (3 + 1 experts)", "LoRA step",
                         "configs/lope/lope.yaml", "configs/lope/lora.yaml",
                         "paper: no inference-time cost beyond an MoE-LoRA (reported)"),
-            ConfigBench("lope", "LoPE inference with B_D masked", "LoRA inference",
+            ConfigBench("lope", "LoPE inference, B_D masked with compensation", "HydraLoRA inference (3 experts)",
+                        "configs/lope/lope.yaml", "configs/lope/hydralora.yaml",
+                        "paper: no inference-time cost beyond an MoE-LoRA; B_D is a 4th expert of the same size and "
+                        "the compensation reads its output, so (N+1)/N of the adapters' part; our target <= 1.2x",
+                        target=1.2, method_overrides=inference_only, verb="test", steps=8, quick_steps=3),
+            ConfigBench("lope", "LoPE inference, B_D masked with compensation", "LoRA inference",
                         "configs/lope/lope.yaml", "configs/lope/lora.yaml",
-                        "reported", verb="test", steps=8, quick_steps=3),
+                        "reported", method_overrides=inference_only, verb="test", steps=8, quick_steps=3),
             ConfigBench("lope", "our LoRA training step (lowrank_lit.nn.lora, r = 8)", "HF peft LoRA step",
                         "configs/peft_bench/lora.yaml", "configs/peft_bench/peft_lora.yaml",
                         "peer library: the same forward to 1e-6 (tests/test_lora.py); reported")]

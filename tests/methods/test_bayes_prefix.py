@@ -44,6 +44,9 @@ def test_dirichlet_after_counts_2_5():
     assert torch.allclose(p, torch.tensor([3 / 9, 6 / 9], dtype=torch.float64))
 
 
+#: the smallest regret difference (nats over 50 tosses) that matters to these claims: a tenth of the 0.5-nat bar
+REGRET_DELTA = 0.05
+
 @pytest.mark.parametrize("kind", ["dirichlet", "categorical", "mixture"])
 def test_predictors_are_normalised(kind):
     src = CoinSource(kind)
@@ -314,16 +317,17 @@ def test_must_show_prefixes_vs_weight_tuning(torso):
     best = exact["categorical"]  # per seed: the exact predictor with the best hard prefix (seed order as res)
     assert all(len(v) == 3 for v in (*res.values(), *exact.values())), "one value per seed, paired by seed"
     hard = res["categorical", "prefix_hard"]
-    expect_verdict("holds", hard, best, margin=-0.15, claim=f"{torso}: HardPT > best hard prefix - 0.15")
+    expect_verdict("holds", hard, best, margin=-0.15, delta=REGRET_DELTA, claim=f"{torso}: HardPT > best hard prefix - 0.15")
     # the Transformer's HardPT moves with the thread count (0.599 at one thread, 0.652 in the two-thread sweep):
-    # "not more than 0.15 above" is a tie at one thread ([-0.161, +0.116] against -0.15, seeds 0-2)
-    upper = ("tie", "holds") if torso == "transformer" else "holds"
-    expect_verdict(upper, best, hard, margin=-0.15, claim=f"{torso}: HardPT < best hard prefix + 0.15")
+    # "not more than 0.15 above" is inconclusive at one thread ([-0.161, +0.116] against -0.15, seeds 0-2; the 90 %
+    # interval [-0.117, +0.071] is not inside -0.15 +- 0.05)
+    upper = ("inconclusive", "holds") if torso == "transformer" else "holds"
+    expect_verdict(upper, best, hard, margin=-0.15, delta=REGRET_DELTA, claim=f"{torso}: HardPT < best hard prefix + 0.15")
     half = [b / 2 for b in best]  # lower regret is better: half - ours > 0
-    expect_verdict("holds", half, res["categorical", "prefix_soft"], claim=f"{torso}: SoftPT below half of best hard")
-    expect_verdict("holds", half, res["categorical", "weights_full"], claim=f"{torso}: FullWT below half of best hard")
+    expect_verdict("holds", half, res["categorical", "prefix_soft"], delta=REGRET_DELTA, claim=f"{torso}: SoftPT below half of best hard")
+    expect_verdict("holds", half, res["categorical", "weights_full"], delta=REGRET_DELTA, claim=f"{torso}: FullWT below half of best hard")
     for cfg in ("prefix_hard", "prefix_soft", "prefix_real", "prefix_simplex"):
-        above = "tie" if (torso, cfg) == ("lstm", "prefix_soft") else "holds"
-        expect_verdict(above, res["mixture", cfg], margin=0.5, claim=f"{torso}: {cfg} above 0.5 nats on the mixture")
-        expect_verdict("holds", res["mixture", cfg], res["mixture", "weights_full"],
+        above = "inconclusive" if (torso, cfg) == ("lstm", "prefix_soft") else "holds"
+        expect_verdict(above, res["mixture", cfg], margin=0.5, delta=REGRET_DELTA, claim=f"{torso}: {cfg} above 0.5 nats on the mixture")
+        expect_verdict("holds", res["mixture", cfg], res["mixture", "weights_full"], delta=REGRET_DELTA,
                        claim=f"{torso}: FullWT below {cfg} on the mixture")

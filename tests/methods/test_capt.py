@@ -252,7 +252,7 @@ def test_must_show_capt_beats_deep_pt(bench):
     """The paper's claim on the PEFT benchmark (3 seeds): CaPT >= deep prompt tuning with one token per layer."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("holds", _per_seed(bench, "capt"), _per_seed(bench, "deep_pt"), claim="CaPT >= deep PT")
+    expect_verdict("holds", _per_seed(bench, "capt"), _per_seed(bench, "deep_pt"), delta=0.01, claim="CaPT >= deep PT")
 
 
 @pytest.mark.slow
@@ -265,18 +265,19 @@ def test_must_show_capt_near_ptv2_with_a_quarter_of_its_parameters(bench):
     from lowrank_lit.stats import expect_verdict
 
     assert bench["capt"][0]["params/prompt"] * 4 == bench["ptv2"][0]["params/prompt"]
-    expect_verdict("holds", _per_seed(bench, "capt"), _per_seed(bench, "ptv2"), margin=-0.02,
+    expect_verdict("holds", _per_seed(bench, "capt"), _per_seed(bench, "ptv2"), margin=-0.02, delta=0.01,
                    claim="CaPT >= P-tuning v2 - 2 points")
 
 
 @pytest.mark.slow
 def test_must_show_capt_instance_only_beats_head_only(bench):
     """The training-free instance token helps: instance-only CaPT >= head-only. Judged by the verdict rule over seeds
-    0-2 it is a tie: 57.6 +- 0.8 against 57.3 +- 0.4, a mean difference of 0.3 points inside an interval at least
-    +-1.0 wide (the spread of the differences is at least 0.8 - 0.4)."""
+    0-2 (three of the budget's five) with delta = 1 point: 57.6 +- 0.8 against 57.3 +- 0.4, a mean difference of 0.3
+    points. Inconclusive: equivalence within 1 point would need the per-seed differences' spread below 0.42 points,
+    which two runs whose own spreads are 0.8 and 0.4 reach only when their seed effects correlate at 0.98 or more."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("tie", _per_seed(bench, "capt_instance"), _per_seed(bench, "head"),
+    expect_verdict("inconclusive", _per_seed(bench, "capt_instance"), _per_seed(bench, "head"), delta=0.01,
                    claim="instance-only CaPT >= head-only")
 
 
@@ -289,7 +290,7 @@ def test_must_show_capt_anchor_share(bench):
     """The capsule is an attention anchor: its share of real tokens' attention > the largest slot share of PT."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("holds", _per_seed(bench, "capt", "test/anchor_share"), _per_seed(bench, "pt", "test/max_slot_share"),
+    expect_verdict("holds", _per_seed(bench, "capt", "test/anchor_share"), _per_seed(bench, "pt", "test/max_slot_share"), delta=0.02,
                    claim="CaPT's anchor share > PT's largest slot share")
 
 

@@ -310,7 +310,7 @@ def test_quantization_config_runs(variant, fp_ckpt, run_root):
 
 # -- must show (card section 4) ---------------------------------------------------------------------
 
-SEEDS = (0, 1, 2, 3, 4)
+SEEDS = tuple(range(10))  # the seed budget (docs/reproduce.md, "How many seeds")
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +357,7 @@ def test_must_show_digits_mlp(digits_mlp_runs):
     """GLVQ's calibration error <= the best scalar lattice's on every layer of every seed, clearly lower at 2 bits
     (the mean ratio per layer <= 0.9); test accuracy GLVQ against RTN at 3 bits judged by the verdict rule (paired
     over seeds 0-4): a tie, as docs/methods/glvq.md states."""
-    from lowrank_lit.stats import verdict
+    from lowrank_lit.stats import expect_verdict
 
     res = digits_mlp_runs
     for seed in SEEDS:
@@ -366,8 +366,7 @@ def test_must_show_digits_mlp(digits_mlp_runs):
     for layer in (0, 1):
         ratio = sum(res[("glvq2", s)][0][layer] / res[("scalar2", s)][0][layer] for s in SEEDS) / len(SEEDS)
         assert ratio <= 0.9, (layer, ratio, res)
-    v = verdict(_accs(res, "glvq3"), _accs(res, "rtn3"))
-    assert v.outcome == "tie" and v.low <= 0.0 <= v.high, (str(v), {k: r[1] for k, r in res.items()})
+    expect_verdict("inconclusive", _accs(res, "glvq3"), _accs(res, "rtn3"), delta=0.01, claim="GLVQ >= RTN at 3 bits")
 
 
 @pytest.mark.slow
@@ -376,11 +375,10 @@ def test_must_show_glvq_2bit_accuracy_at_least_rtn(digits_mlp_runs):
     over seeds 0-4, one thread): a tie within noise on this machine (GLVQ 1-7 of 450 images behind on four seeds,
     ahead on one) and on another of the same kind (GLVQ ahead on average); the test turns red the day the seeds
     separate the two, either way (docs/methods/glvq.md)."""
-    from lowrank_lit.stats import verdict
+    from lowrank_lit.stats import expect_verdict
 
     res = digits_mlp_runs
-    v = verdict(_accs(res, "glvq2"), _accs(res, "rtn2"))
-    assert v.outcome == "tie" and v.low <= 0.0 <= v.high, (str(v), {k: r[1] for k, r in res.items()})
+    expect_verdict("inconclusive", _accs(res, "glvq2"), _accs(res, "rtn2"), delta=0.01, claim="GLVQ >= RTN at 2 bits")
 
 
 @pytest.mark.e2e

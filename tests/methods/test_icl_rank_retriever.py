@@ -436,7 +436,7 @@ def test_predict_scores_into_rank_shards_and_resumes(tmp_path):
 
 @pytest.fixture(scope="module")
 def synthetic_runs():
-    """InfoNCE, SeDPO and hybrid on the synthetic world, random states 0-4: the test metrics of each run."""
+    """InfoNCE, SeDPO and hybrid on the synthetic world, random states 0-9: the test metrics of each run."""
     import tempfile
     from pathlib import Path
 
@@ -445,7 +445,7 @@ def synthetic_runs():
     root_args = ["--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]
     res: dict[str, list[dict[str, float]]] = {}
     for loss in ("infonce", "sedpo", "hybrid"):
-        for seed in range(5):
+        for seed in range(10):  # the seed budget (docs/reproduce.md, "How many seeds")
             with tempfile.TemporaryDirectory() as tmp:
                 assert run_cli("fit", "--config", CONFIGS / f"icl_rank_retriever/synthetic_{loss}.yaml",
                                f"--seed_everything={seed}", *root_args, run_root=Path(tmp)) == 0
@@ -455,25 +455,25 @@ def synthetic_runs():
 
 
 def _per_seed(runs: list[dict[str, float]], key: str) -> list[float]:
-    return [r[key] for r in runs]  # random states 0-4 in order: pairs for the verdict rule
+    return [r[key] for r in runs]  # random states 0-9 in order: pairs for the verdict rule
 
 
 @pytest.mark.slow
 def test_must_show_ranking_trained_retrievers_order_the_pool(synthetic_runs):
-    """Random states 0-4, Spearman gain over InfoNCE >= 0.3 by the verdict rule: SeDPO holds (+0.556, 95 % interval
-    [+0.541, +0.571]); hybrid is a tie (+0.313, [+0.279, +0.347]: three of five states below the bar)."""
+    """Random states 0-9, Spearman gain over InfoNCE >= 0.3 by the verdict rule (delta 0.05): SeDPO holds (+0.560,
+    95 % interval [+0.546, +0.574]); hybrid holds (+0.327, [+0.303, +0.351]; inconclusive at states 0-4 alone)."""
     from lowrank_lit.stats import expect_verdict
 
     sp = {k: _per_seed(v, "test/spearman") for k, v in synthetic_runs.items()}
-    expect_verdict("holds", sp["sedpo"], sp["infonce"], margin=0.3, claim="SeDPO Spearman >= InfoNCE + 0.3")
-    expect_verdict("tie", sp["hybrid"], sp["infonce"], margin=0.3, claim="hybrid Spearman >= InfoNCE + 0.3")
+    expect_verdict("holds", sp["sedpo"], sp["infonce"], margin=0.3, delta=0.05, claim="SeDPO Spearman >= InfoNCE + 0.3")
+    expect_verdict("holds", sp["hybrid"], sp["infonce"], margin=0.3, delta=0.05, claim="hybrid Spearman >= InfoNCE + 0.3")
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "does not hold; the paper's headline is ICL accuracy with the retrieved examples; random states 0-4: one-shot "
-    "accuracy of the retrieved top-1 SeDPO 0.281 +- 0.078 (0.192 / 0.242 / 0.396 / 0.314 / 0.262) against InfoNCE "
-    "0.664 +- 0.051 (0.644 / 0.630 / 0.752 / 0.660 / 0.634), difference -0.383, 95 % interval [-0.435, -0.331]; "
+    "does not hold; the paper's headline is ICL accuracy with the retrieved examples; random states 0-9: one-shot "
+    "accuracy of the retrieved top-1 SeDPO 0.312 +- 0.072 (0.192 / 0.242 / 0.396 / 0.318 / 0.264 / 0.306 / 0.308 / "
+    "0.378 / 0.424 / 0.292) against InfoNCE 0.690 +- 0.058, difference -0.378, 95 % interval [-0.409, -0.347]; "
     "SeDPO's top-1 is never the best exemplar and 22 % of the pool scores higher (docs/methods/icl_rank_retriever.md, "
     "Not reproduced here)"))
 def test_must_show_sedpo_retrieves_better_one_shot_examples_than_infonce(synthetic_runs):
@@ -481,7 +481,7 @@ def test_must_show_sedpo_retrieves_better_one_shot_examples_than_infonce(synthet
     from lowrank_lit.stats import expect_verdict
 
     acc = {k: _per_seed(v, "test/top1_acc") for k, v in synthetic_runs.items()}
-    expect_verdict("holds", acc["sedpo"], acc["infonce"], claim="SeDPO top-1 one-shot accuracy >= InfoNCE's")
+    expect_verdict("holds", acc["sedpo"], acc["infonce"], delta=0.01, claim="SeDPO top-1 one-shot accuracy >= InfoNCE's")
 
 
 def test_scorer_rejects_a_zero_context_length():

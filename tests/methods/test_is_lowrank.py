@@ -290,7 +290,7 @@ def test_must_show_char_lm():
     effective rank with importance sampling; val loss AdamW <= importance <= dominant (or within noise). Judged by
     the verdict rule over restarts 0-2 (paired by restart): the overlap ratio and AdamW <= importance hold (0.517
     against 1.5 x 0.252; 1.579 against 1.801, each +- 0.03 or less); importance <= dominant must not be "does not
-    hold" (1.801 +- 0.024 against 1.810 +- 0.021: a tie or holds). The erank ordering is asserted run by run.
+    hold" (1.801 +- 0.024 against 1.810 +- 0.021: holds, equivalent or inconclusive). The erank ordering is asserted run by run.
     """
     from lowrank_lit.stats import verdict
 
@@ -305,12 +305,12 @@ def test_must_show_char_lm():
     # the mean overlap over the second half of training, per restart
     overlap = {k: [sum(o[len(o) // 2:]) / len(o[len(o) // 2:]) for _, o, _ in res[k]] for k in ("dominant", "importance")}
     report = {"loss": loss, "overlap": overlap}
-    v_overlap = verdict(overlap["dominant"], [1.5 * x for x in overlap["importance"]])
+    v_overlap = verdict(overlap["dominant"], [1.5 * x for x in overlap["importance"]], delta=0.05)
     assert v_overlap.outcome == "holds", (str(v_overlap), report)
     assert min(r[2] for r in res["importance"]) > max(r[2] for r in res["dominant"]), report
-    v_adamw = verdict(loss["importance"], loss["adamw"])  # lower loss is better: importance - adamw > 0
+    v_adamw = verdict(loss["importance"], loss["adamw"], delta=0.01)  # lower loss is better: importance - adamw > 0
     assert v_adamw.outcome == "holds", (str(v_adamw), report)
-    v_dominant = verdict(loss["dominant"], loss["importance"])
+    v_dominant = verdict(loss["dominant"], loss["importance"], delta=0.01)
     assert v_dominant.outcome != "does not hold", (str(v_dominant), report)
 
 

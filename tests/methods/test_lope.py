@@ -232,28 +232,31 @@ def test_must_show_lope_beats_hydralora(bench):
     """The paper's claim on clean test data after noisy training (3 seeds): LoPE >= HydraLoRA."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("holds", _acc(bench, "lope_noisy"), _acc(bench, "hydralora_noisy"), claim="LoPE >= HydraLoRA")
+    expect_verdict("holds", _acc(bench, "lope_noisy"), _acc(bench, "hydralora_noisy"), delta=0.01, claim="LoPE >= HydraLoRA")
 
 
 @pytest.mark.slow
 def test_must_show_hydralora_beats_lora(bench):
     """The paper's baseline ordering HydraLoRA >= LoRA after noisy training, judged by the verdict rule over seeds
-    0-2: a tie (91.2 against 85.1, per seed 91.0 / 92.7 / 90.0 against 80.9 / 87.9 / 86.4; difference +6.2 points,
-    95 % interval [-2.4, +14.8])."""
+    0-2 with delta = 1 point: inconclusive (91.2 against 85.1, per seed 91.0 / 92.7 / 90.0 against 80.9 / 87.9 /
+    86.4; difference +6.2 points, 95 % interval [-2.4, +14.8]; three of the budget's five seeds)."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("tie", _acc(bench, "hydralora_noisy"), _acc(bench, "lora_noisy"), claim="HydraLoRA >= LoRA")
+    expect_verdict("inconclusive", _acc(bench, "hydralora_noisy"), _acc(bench, "lora_noisy"), delta=0.01,
+                   claim="HydraLoRA >= LoRA")
 
 
 @pytest.mark.slow
 def test_must_show_lope_mask_beats_no_mask(bench):
     """Masking the poisoning expert at inference helps: LoPE (mask) > LoPE (no mask). Judged by the verdict rule over
-    seeds 0-2 it is a tie: 66.5 (70.1 / 59.8 / 69.6) with the mask against 75.6 (77.6 / 75.4 / 73.7) without it,
+    seeds 0-2 with delta = 1 point it is inconclusive: 66.5 (70.1 / 59.8 / 69.6) with the mask against 75.6 (77.6 /
+    75.4 / 73.7) without it,
     difference -9.1 points, 95 % interval [-23.7, +5.6] (lower on every seed; masking B_D removes the expert that
     carries 40 % of the routing weight on every input)."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("tie", _acc(bench, "lope_noisy"), _acc(bench, "lope_nomask_noisy"), claim="LoPE mask > no mask")
+    expect_verdict("inconclusive", _acc(bench, "lope_noisy"), _acc(bench, "lope_nomask_noisy"), delta=0.01,
+                   claim="LoPE mask > no mask")
 
 
 @pytest.mark.no_verdict("a mechanism asserted on every run (B_D's share on corrupted > on clean inputs), not a mean over seeds")
@@ -336,6 +339,13 @@ def test_the_mechanism_is_logged_per_run(tmp_path):
         for key in ("test/acc", "test/acc_unmasked", "test/acc_bd_alone"):
             assert 0.0 <= run.metrics[key] <= 1.0, (key, run.metrics)
     assert got["lope_nomask"].metrics["test/acc"] == got["lope_nomask"].metrics["test/acc_unmasked"]
+    # without the diagnostics (what `lowrank bench lope` times): the same inference, nothing else in the test loop
+    assert run_cli("fit", "--config", CONFIGS / "lope" / "lope.yaml", *short, "--run_id=bare",
+                   "--trainer.callbacks.init_args.test_diagnostics=false", run_root=tmp_path) == 0
+    bare = Run(str(tmp_path / "lope" / "lope" / "bare")).metrics
+    assert bare["test/acc"] == got["lope"].metrics["test/acc"], (bare, got["lope"].metrics)
+    assert not [k for k in bare if k.startswith(("test/acc_unmasked", "test/acc_bd_alone", "test/poison_share",
+                                                 "test/expert_mass"))], bare
 
 
 # ------------------------------------------------------------------------------------ stage-I forms (ours)
@@ -427,7 +437,7 @@ def test_must_show_lope_beats_hydralora_on_equal_stage2_steps(equal_steps):
     """The paper's claim with LoPE's router and normal experts trained as many steps as HydraLoRA: LoPE >= HydraLoRA."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("holds", _acc(equal_steps, "lope_noisy_stage2_full"), _acc(equal_steps, "hydralora_noisy"),
+    expect_verdict("holds", _acc(equal_steps, "lope_noisy_stage2_full"), _acc(equal_steps, "hydralora_noisy"), delta=0.01,
                    claim="LoPE (stage II 1000 steps) >= HydraLoRA")
 
 
@@ -441,7 +451,7 @@ def test_must_show_masking_the_poisoning_expert_helps_on_equal_stage2_steps(equa
     from lowrank_lit.stats import expect_verdict
 
     runs = equal_steps["lope_noisy_stage2_full"]
-    expect_verdict("holds", [r["test/acc"] for r in runs], [r["test/acc_unmasked"] for r in runs],
+    expect_verdict("holds", [r["test/acc"] for r in runs], [r["test/acc_unmasked"] for r in runs], delta=0.01,
                    claim="LoPE mask > no mask (stage II 1000 steps)")
 
 
@@ -482,5 +492,5 @@ def test_must_show_masking_helps_with_a_stage1_form_of_ours(stage1_forms, form):
     from lowrank_lit.stats import expect_verdict
 
     runs = stage1_forms[STAGE1_FORMS[form][0]]
-    expect_verdict("holds", [r["test/acc"] for r in runs], [r["test/acc_unmasked"] for r in runs],
+    expect_verdict("holds", [r["test/acc"] for r in runs], [r["test/acc_unmasked"] for r in runs], delta=0.01,
                    claim=f"LoPE mask > no mask, stage I {form}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import statistics
 import warnings
 
 import pytest
@@ -262,8 +263,8 @@ def test_must_show_split_digits():
     digits split drawn with each state): mean target-accuracy gap AdamW - NanoAdam <= 1.5 points;
     source accuracy >= 30 points above AdamW on the mean; body drift <= 0.6x AdamW's on the mean;
     drift(smallest) < drift(random) < drift(largest) in >= 8 of 10 states. The first three judged by the verdict
-    rule, paired by state: the target accuracy within 1.5 points of AdamW's is a tie (-0.98 points, 95 % interval
-    about [-1.9, -0.1] contains -1.5); the forgetting and the drift criteria hold."""
+    rule, paired by state, with delta = 1 point: the target accuracy within 1.5 points of AdamW's is inconclusive
+    (-0.98 points, 95 % interval [-1.92, -0.04] contains -1.5); the forgetting and the drift criteria hold."""
     from lowrank_lit.stats import expect_verdict
 
     states = range(10)
@@ -281,9 +282,9 @@ def test_must_show_split_digits():
         return [r[i] for r in rs]
 
     print(report)
-    expect_verdict("tie", col(small, 0), col(adamw, 0), margin=-0.015, claim="target accuracy >= AdamW - 1.5 points")
-    expect_verdict("holds", col(small, 1), col(adamw, 1), margin=0.30, claim="source accuracy >= AdamW + 30 points")
-    expect_verdict("holds", [0.6 * a for a in col(adamw, 2)], col(small, 2), claim="body drift <= 0.6x AdamW's")
+    expect_verdict("inconclusive", col(small, 0), col(adamw, 0), margin=-0.015, delta=0.01, claim="target accuracy >= AdamW - 1.5 points")
+    expect_verdict("holds", col(small, 1), col(adamw, 1), margin=0.30, delta=0.01, claim="source accuracy >= AdamW + 30 points")
+    expect_verdict("holds", [0.6 * a for a in col(adamw, 2)], col(small, 2), delta=0.05 * statistics.fmean(col(adamw, 2)), claim="body drift <= 0.6x AdamW's")
     ordered = sum(s[2] < r[2] < g[2] for s, r, g in zip(small, nano["random"], nano["largest"], strict=True))
     assert ordered >= 8, report
 

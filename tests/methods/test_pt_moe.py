@@ -361,15 +361,15 @@ def _per_seed(runs: list[dict[str, float]], key: str = "test/acc") -> list[float
 def test_must_show_ptmoe_beats_pt_and_smop_with_fewer_parameters_than_smop(bench):
     """The paper's claim on the PEFT benchmark (3 seeds): PT-MoE accuracy >= PT's and >= SMoP's, with fewer
     trainable prompt parameters than SMoP (6,178 against 6,914: holds). The accuracies, judged by the verdict rule
-    over seeds 0-2, are ties: PT-MoE N = 2 72.7 (70.3 / 76.8 / 71.1), PT 72.1 (75.2 / 70.6 / 70.7), SMoP 71.9
+    over seeds 0-2 (three of the budget's five) with delta = 1 point, are inconclusive: PT-MoE N = 2 72.7 (70.3 / 76.8 / 71.1), PT 72.1 (75.2 / 70.6 / 70.7), SMoP 71.9
     (75.2 / 71.0 / 69.5); against PT +0.6 points, 95 % interval [-13.2, +14.4]; against SMoP +0.8, [-12.6, +14.2]
     (docs/peft_bench.md)."""
     from lowrank_lit.stats import expect_verdict
 
     assert bench["ptmoe"][0]["params/prompt"] < bench["smop"][0]["params/prompt"]
     ptmoe = _per_seed(bench["ptmoe"])
-    expect_verdict("tie", ptmoe, _per_seed(bench["pt"]), claim="PT-MoE >= PT")
-    expect_verdict("tie", ptmoe, _per_seed(bench["smop"]), claim="PT-MoE >= SMoP")
+    expect_verdict("inconclusive", ptmoe, _per_seed(bench["pt"]), delta=0.01, claim="PT-MoE >= PT")
+    expect_verdict("inconclusive", ptmoe, _per_seed(bench["smop"]), delta=0.01, claim="PT-MoE >= SMoP")
 
 
 @pytest.mark.slow
@@ -379,7 +379,7 @@ def test_must_show_ptmoe_routes_by_task_family(bench):
     > 0.8 is 1.0 under collapse too.)"""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("holds", _per_seed(bench["ptmoe"], "test/routing_nmi"), margin=0.1, claim="NMI(family, expert) > 0.1")
+    expect_verdict("holds", _per_seed(bench["ptmoe"], "test/routing_nmi"), margin=0.1, delta=0.02, claim="NMI(family, expert) > 0.1")
     assert not any(r["test/routing_collapsed"] for r in bench["ptmoe"]), [r["test/routing_experts_used"] for r in bench["ptmoe"]]
 
 

@@ -290,27 +290,28 @@ def _truncation_results(config, seed, run_root):
 
 @pytest.mark.slow
 def test_must_show_mlp_digits(tmp_path):
-    """Our acceptance criterion, over seeds 0-3 of configs/q3r/mlp_digits.yaml and its AdamW twin, each part judged by
-    the verdict rule (paired by seed; docs/methods/q3r.md has the per-seed table):
+    """Our acceptance criterion, over seeds 0-9 of configs/q3r/mlp_digits.yaml and its AdamW twin, each part judged by
+    the verdict rule with delta = 1 point (paired by seed; docs/methods/q3r.md has the per-seed numbers):
     (a) Q3R's accuracy at keep fraction 0.2 within 1 point of its untruncated accuracy: holds
-        (-0.0006, 95 % interval [-0.0024, +0.0013] against the margin -0.01);
-    (b) at keep 0.2 Q3R above AdamW on every seed and in the verdict: holds (+0.0295, [+0.0010, +0.0579]);
-        by >= 2.5 points: a tie ([+0.0010, +0.0579] contains +0.025);
-    (c) at keep 0.1 Q3R above AdamW by >= 4 points: a tie (+0.0533, [-0.0056, +0.1123])."""
+        (-0.0011, 95 % interval [-0.0033, +0.0010] against the margin -0.01);
+    (b) at keep 0.2 Q3R above AdamW on every seed and in the verdict: holds (+0.0293, [+0.0101, +0.0486]);
+        by >= 2.5 points: inconclusive at the budget ([+0.0101, +0.0486] contains +0.025);
+    (c) at keep 0.1 Q3R above AdamW by >= 4 points: inconclusive (+0.0249, [-0.0088, +0.0586])."""
     from lowrank_lit.stats import expect_verdict
     from tests.helpers import CONFIGS
 
-    seeds = (0, 1, 2, 3)
+    seeds = tuple(range(10))  # the seed budget (docs/reproduce.md, "How many seeds")
     runs = {name: [_truncation_results(CONFIGS / "q3r" / f"{name}.yaml", seed, tmp_path) for seed in seeds]
             for name in ("mlp_digits", "mlp_digits_adamw")}
     q3r = {rho: [r[rho] for r in runs["mlp_digits"]] for rho in (1.0, 0.2, 0.1)}
     adamw = {rho: [r[rho] for r in runs["mlp_digits_adamw"]] for rho in (1.0, 0.2, 0.1)}
     print(q3r, adamw)
-    expect_verdict("holds", q3r[0.2], q3r[1.0], margin=-0.01, claim="(a) Q3R at keep 0.2 within 1 point of keep 1.0")
+    expect_verdict("holds", q3r[0.2], q3r[1.0], margin=-0.01, delta=0.01,
+                   claim="(a) Q3R at keep 0.2 within 1 point of keep 1.0")
     assert all(a > b for a, b in zip(q3r[0.2], adamw[0.2], strict=True)), (q3r, adamw)
-    expect_verdict("holds", q3r[0.2], adamw[0.2], claim="(b) Q3R above AdamW at keep 0.2")
-    expect_verdict("tie", q3r[0.2], adamw[0.2], margin=0.025, claim="(b) Q3R >= AdamW + 2.5 points at keep 0.2")
-    expect_verdict("tie", q3r[0.1], adamw[0.1], margin=0.04, claim="(c) Q3R >= AdamW + 4 points at keep 0.1")
+    expect_verdict("holds", q3r[0.2], adamw[0.2], delta=0.01, claim="(b) Q3R above AdamW at keep 0.2")
+    expect_verdict("inconclusive", q3r[0.2], adamw[0.2], margin=0.025, delta=0.01, claim="(b) Q3R >= AdamW + 2.5 points at keep 0.2")
+    expect_verdict("inconclusive", q3r[0.1], adamw[0.1], margin=0.04, delta=0.01, claim="(c) Q3R >= AdamW + 4 points at keep 0.1")
 
 
 def test_compare_averages_seeds(tmp_path):

@@ -370,42 +370,63 @@ def _spike(rows):
     return sum(jumps) / len(jumps)
 
 
-@pytest.mark.slow
-def test_must_show_recurring_corruptions(tmp_path):
-    """Our acceptance criterion over seeds 0-3 (source CNN trained and stream drawn with each seed):
-    the reservoir holds exactly 7 models on >= 3 of 4 seeds and never more than 9; purity >= 0.95 on
-    every seed; Tent + Reservoir's mean error over recurrences 3-6 is >= 8 points below Tent's on the
-    mean over the seeds and not above Tent's on any seed; EATA + Reservoir <= EATA + 1 point and no
-    re-entry spike (seed 0). The gap judged by the verdict rule: both a tie. Below Tent the CPU kernels disagree:
-    native (AVX2, 2 threads) 13.7 / 8.5 / 11.5 / 1.1 points, +8.7, 95 % interval [-0.0, +17.5]: a tie; the default
-    kernels at 1 thread 11.0 / 8.5 / 12.5 / 1.8, +8.5, [+1.0, +15.9]: holds. So the page states a tie and the test
-    accepts either. By 8 points or more: a tie on both. Seed 3's source model starts near chance."""
-    from lowrank_lit.stats import expect_verdict
+@pytest.fixture(scope="module")
+def recurring_runs(tmp_path_factory):
+    """Seeds 0-9 (the seed budget, docs/reproduce.md "How many seeds"; source CNN trained and stream drawn with each
+    seed): Tent and Tent + Reservoir per seed, EATA and EATA + Reservoir on seed 0."""
     from tests.helpers import CONFIGS, run_cli
 
-    gaps, models, report = [], [], {}
-    for seed in range(4):
+    tmp_path = tmp_path_factory.mktemp("recurring")
+    out: dict = {"gaps": [], "models": [], "purity": [], "report": {}}
+    for seed in range(10):
         assert run_cli("fit", "--config", CONFIGS / "reservoir_tta" / "source_cnn_digits.yaml",
                        f"--seed_everything={seed}", f"--run_id=source_s{seed}", run_root=tmp_path) == 0
         ckpt = tmp_path / "reservoir_tta" / "source_cnn_digits" / f"source_s{seed}" / "checkpoints" / "last.ckpt"
         tent = _stream_run(Tent(), ckpt, seed=seed)
         tent_res = _stream_run(ReservoirTTA(Tent(), ["blocks.0.0", "blocks.1.0"]), ckpt, seed=seed)
         late = [sum(m.per_recurrence[k] for k in range(2, 6)) / 4 for m in (tent, tent_res)]
-        gaps.append(late[0] - late[1])
-        models.append(tent_res.method.num_models)
-        clusters = [r["cluster"] for r in tent_res.rows]
-        report[seed] = {"tent": tent.per_recurrence, "tent+res": tent_res.per_recurrence, "models": models[-1]}
-        assert purity(clusters, [r["domain"] for r in tent_res.rows]) >= 0.95, report
-        assert gaps[-1] >= 0.0, report  # never worse than Tent on recurrences 3-6
+        out["gaps"].append(late[0] - late[1])  # Tent's error - Tent + Reservoir's, recurrences 3-6
+        out["models"].append(tent_res.method.num_models)
+        out["purity"].append(purity([r["cluster"] for r in tent_res.rows], [r["domain"] for r in tent_res.rows]))
+        out["report"][seed] = {"tent": tent.per_recurrence, "tent+res": tent_res.per_recurrence,
+                               "models": out["models"][-1]}
         if seed == 0:
             eata = _stream_run(EATA(), ckpt)
             eata_res = _stream_run(ReservoirTTA(EATA(), ["blocks.0.0", "blocks.1.0"]), ckpt)
-            assert eata_res.per_recurrence[5] <= eata.per_recurrence[5] + 0.01, report
-            assert _spike(eata_res.rows) <= 0.02, (report, _spike(eata_res.rows), _spike(eata.rows))
-            assert not math.isnan(_spike(eata.rows))
-    assert sum(m == 7 for m in models) >= 3 and max(models) <= 9, (models, report)
-    expect_verdict(("tie", "holds"), gaps, claim="Tent + Reservoir below Tent over recurrences 3-6")
-    expect_verdict("tie", gaps, margin=0.08, claim="Tent + Reservoir >= 8 points below Tent over recurrences 3-6")
+            out["eata"] = (eata, eata_res)
+    print({k: v for k, v in out.items() if k in ("gaps", "models", "purity")})
+    return out
+
+
+@pytest.mark.slow
+def test_must_show_recurring_corruptions(recurring_runs):
+    """Our acceptance criterion over seeds 0-9 (source CNN trained and stream drawn with each seed):
+    the reservoir holds exactly 7 models on >= 3/4 of the seeds and never more than 9; purity >= 0.95 on
+    every seed; EATA + Reservoir <= EATA + 1 point and no re-entry spike (seed 0). Tent + Reservoir's mean error
+    over recurrences 3-6 against Tent's, judged by the verdict rule with delta = 1 point: below Tent and by >= 8
+    points (docs/methods/reservoir_tta.md has the numbers)."""
+    from lowrank_lit.stats import expect_verdict
+
+    gaps, models, report = recurring_runs["gaps"], recurring_runs["models"], recurring_runs["report"]
+    assert min(recurring_runs["purity"]) >= 0.95, (recurring_runs["purity"], report)
+    eata, eata_res = recurring_runs["eata"]
+    assert eata_res.per_recurrence[5] <= eata.per_recurrence[5] + 0.01, report
+    assert _spike(eata_res.rows) <= 0.02, (report, _spike(eata_res.rows), _spike(eata.rows))
+    assert not math.isnan(_spike(eata.rows))
+    assert 4 * sum(m == 7 for m in models) >= 3 * len(models) and max(models) <= 9, (models, report)
+    expect_verdict(("inconclusive", "holds"), gaps, delta=0.01, claim="Tent + Reservoir below Tent over recurrences 3-6")
+    expect_verdict("inconclusive", gaps, margin=0.08, delta=0.01,
+                   claim="Tent + Reservoir >= 8 points below Tent over recurrences 3-6")
+
+
+@pytest.mark.slow
+@pytest.mark.no_verdict("a property asserted on every seed (never above Tent's error), not a mean over seeds")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="seeds 0-9: Tent + Reservoir's error over recurrences "
+                   "3-6 is above Tent's on at least one seed (3.8 points)")
+def test_must_show_reservoir_never_worse_than_tent(recurring_runs):
+    """Our acceptance criterion: Tent + Reservoir's mean error over recurrences 3-6 not above Tent's on any seed."""
+    gaps = recurring_runs["gaps"]
+    assert min(gaps) >= 0.0, gaps
 
 
 def test_cifar10c_stream_from_files(tmp_path):

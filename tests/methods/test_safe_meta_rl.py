@@ -333,7 +333,7 @@ def pointnav_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pointnav")
     out: dict[str, list[dict[str, float]]] = {}
     for adapt in ("safe", "pg_lagrange", "unconstrained"):
-        for seed in range(5):
+        for seed in range(10):  # the seed budget (docs/reproduce.md, "How many seeds")
             assert run_cli("fit", "--config", CONFIGS / "safe_meta_rl" / "pointnav_safe.yaml", f"--model.init_args.adapt={adapt}",
                            f"--seed_everything={seed}", f"--run_id={adapt}_seed{seed}", "--trainer.enable_progress_bar=false",
                            run_root=root) == 0
@@ -356,8 +356,8 @@ def test_must_show_pointnav_fewer_violations(pointnav_runs):
     v = {a: _violations(r) for a, r in pointnav_runs.items()}
     assert v["safe"] <= v["pg_lagrange"] < v["unconstrained"], v
     fewer = {a: [-m["test/violations"] for m in r] for a, r in pointnav_runs.items()}  # higher is better
-    expect_verdict("tie", fewer["safe"], fewer["pg_lagrange"], claim="safe violates less than the fixed multiplier")
-    expect_verdict("tie", fewer["safe"], fewer["unconstrained"], claim="safe violates less than nu = 0")
+    expect_verdict("inconclusive", fewer["safe"], fewer["pg_lagrange"], delta=0.5, claim="safe violates less than the fixed multiplier")
+    expect_verdict("inconclusive", fewer["safe"], fewer["unconstrained"], delta=0.5, claim="safe violates less than nu = 0")
 
 
 @pytest.mark.slow
@@ -369,7 +369,8 @@ def test_must_show_pointnav_safe_and_better_than_the_fixed_multiplier(pointnav_r
     from lowrank_lit.stats import verdict
 
     final = {a: [m["test/J_r_final"] for m in r] for a, r in pointnav_runs.items()}
-    v = verdict(final["safe"], final["pg_lagrange"])
+    v = verdict(final["safe"], final["pg_lagrange"], delta=0.5)  # delta: half a unit of discounted reward
+    print(v, final)
     assert _violations(pointnav_runs["safe"]) == 0 and v.outcome == "holds", (str(v), final)
 
 

@@ -470,7 +470,7 @@ def test_must_show_digits_c(tmp_path):
     from tests.helpers import CONFIGS, run_cli
 
     acc: dict[str, list[float]] = {}
-    for seed in range(3):
+    for seed in range(10):  # the seed budget (docs/reproduce.md, "How many seeds")
         assert run_cli("fit", "--config", CONFIGS / "trust" / "source_vmamba_digits.yaml", f"--seed_everything={seed}",
                        f"--run_id=seed{seed}", "--test_after_fit=false", run_root=tmp_path) == 0
         ckpt = tmp_path / "trust" / "source_vmamba_digits" / "seed{seed}" / "checkpoints" / "last.ckpt"
@@ -480,9 +480,9 @@ def test_must_show_digits_c(tmp_path):
             vals = last_values(tmp_path / "trust" / f"digits_c_{name}" / f"seed{seed}" / "metrics.csv")
             acc.setdefault(name, []).append(vals["test/acc_domains"])
     print(acc)
-    expect_verdict("holds", acc["trust"], acc["source"], margin=0.15, claim="TRUST >= source + 0.15")
-    expect_verdict("holds", acc["naive"], acc["source"], margin=0.15, claim="TRUST-naive >= source + 0.15")
-    expect_verdict("tie", acc["trust"], acc["naive"], margin=-0.02, claim="TRUST >= TRUST-naive - 0.02")
+    expect_verdict("holds", acc["trust"], acc["source"], margin=0.15, delta=0.01, claim="TRUST >= source + 0.15")
+    expect_verdict("holds", acc["naive"], acc["source"], margin=0.15, delta=0.01, claim="TRUST-naive >= source + 0.15")
+    expect_verdict("equivalent", acc["trust"], acc["naive"], margin=-0.02, delta=0.01, claim="TRUST >= TRUST-naive - 0.02")
 
 
 @pytest.mark.slow
@@ -498,7 +498,7 @@ def test_must_show_layernorm_trust_beats_tent(tmp_path):
 
     acc: dict[str, list[float]] = {}
     tent = {"class_path": "lowrank_lit.tta.Tent", "init_args": {"lr": 1e-3, "norms": "all"}}
-    for seed in range(3):
+    for seed in range(10):  # the seed budget (docs/reproduce.md, "How many seeds")
         assert run_cli("fit", "--config", CONFIGS / "trust" / "source_vmamba_digits_ln.yaml", f"--seed_everything={seed}",
                        f"--run_id=seed{seed}", "--test_after_fit=false", run_root=tmp_path) == 0
         ckpt = tmp_path / "trust" / "source_vmamba_digits_ln" / "seed{seed}" / "checkpoints" / "last.ckpt"
@@ -508,7 +508,7 @@ def test_must_show_layernorm_trust_beats_tent(tmp_path):
             vals = last_values(tmp_path / "trust" / "digits_c_trust_ln" / f"{name}{seed}" / "metrics.csv")
             acc.setdefault(name, []).append(vals["test/acc_domains"])
     print(acc)
-    expect_verdict("tie", acc["trust"], acc["tent"], margin=0.01, claim="TRUST >= Tent + 0.01 (LayerNorm VMamba)")
+    expect_verdict("does not hold", acc["trust"], acc["tent"], margin=0.01, delta=0.01, claim="TRUST >= Tent + 0.01 (LayerNorm VMamba)")
 
 
 def test_imagenet_c_stream_from_a_folder(tmp_path):

@@ -43,6 +43,9 @@ def test_single_head_predictor_is_the_written_formula():
         FacePriorGazePredictor(16, 21, 8, heads=3)
 
 
+#: the smallest difference in mean angular error that matters to the cross-domain claims, in degrees
+ANGLE_DELTA = 0.5
+
 @pytest.mark.e2e
 def test_variants_train_the_declared_parts(tmp_path):
     """cnn: every weight re-initialised; finetune: starts from the prior and changes it; 3DGP variants: encoder
@@ -223,10 +226,12 @@ def test_must_show_cross_domain(cross_domain_runs):
     """The claim full < 3DGP-only < CNN (mean angular error over the two target domains), each step judged by the
     verdict rule over seeds 0-2. 3DGP-only below CNN holds at 2 threads (+1.31 degrees, 95 % interval [+0.08, +2.54])
     and is a tie at one thread (+0.11, [-0.01, +0.23]): the prior trained to its plateau differs with the thread
-    count, and 3DGP-only with it (CNN, which does not use the prior, is the same to two decimals). Stated as a tie,
-    either accepted. Full below 3DGP-only is a tie in both (+0.95, [-0.41, +2.31]; +0.65, [-1.83, +3.13])."""
+    count, and 3DGP-only with it (CNN, which does not use the prior, is the same to two decimals): its 90 % interval
+    [+0.03, +0.19] lies within the 0.5 degrees that matter, so equivalent there; either accepted. Full below 3DGP-only
+    is inconclusive in both (+0.95, [-0.41, +2.31]; +0.65, [-1.83, +3.13])."""
     from lowrank_lit.stats import expect_verdict
 
     err = cross_domain_runs  # lower is better: the difference is theirs - ours
-    expect_verdict(("tie", "holds"), err["cnn"], err["3dgp"], claim="3DGP-only below CNN (target error)")
-    expect_verdict("tie", err["3dgp"], err["full"], claim="full below 3DGP-only (target error)")
+    expect_verdict(("equivalent", "holds"), err["cnn"], err["3dgp"], delta=ANGLE_DELTA,
+                   claim="3DGP-only below CNN (target error)")
+    expect_verdict("inconclusive", err["3dgp"], err["full"], delta=ANGLE_DELTA, claim="full below 3DGP-only (target error)")

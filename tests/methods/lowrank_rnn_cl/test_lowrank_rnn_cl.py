@@ -108,7 +108,7 @@ def stream_runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("task_stream")
     res: dict[str, list[tuple[list[dict[str, str]], dict[str, float]]]] = {}
-    for seed in range(5):
+    for seed in range(10):  # the seed budget (docs/reproduce.md, "How many seeds")
         for name, cfg, extra in (("what_how", "what_how", []), ("hold", "what_how", ["--model.init_args.hold_weight=1.0"]),
                                  ("vanilla", "vanilla", [])):
             run_id = f"{name}-seed{seed}"
@@ -138,8 +138,8 @@ def test_must_show_task_stream(stream_runs):
         assert float(rows[0]["DelayPro"]) - float(rows[-1]["DelayPro"]) >= 0.5
     zs = {n: [float(rows[-1]["MemoryAnti"]) for rows, _ in r] for n, r in stream_runs.items()}
     print(zs)
-    expect_verdict("holds", [0.2 - z for z in zs["vanilla"]], claim="vanilla MemoryAnti zero-shot < 0.2")
-    expect_verdict("tie", zs["what_how"], zs["vanilla"], margin=0.25, claim="what+how MemoryAnti >= vanilla + 0.25")
+    expect_verdict("holds", [0.2 - z for z in zs["vanilla"]], delta=0.05, claim="vanilla MemoryAnti zero-shot < 0.2")
+    expect_verdict("inconclusive", zs["what_how"], zs["vanilla"], margin=0.25, delta=0.05, claim="what+how MemoryAnti >= vanilla + 0.25")
 
 
 @pytest.mark.slow
@@ -149,7 +149,7 @@ def test_must_show_memory_anti_with_the_hold_loss(stream_runs):
     judged by the verdict rule holds (0.93 on every seed)."""
     from lowrank_lit.stats import expect_verdict
 
-    expect_verdict("holds", [float(rows[-1]["MemoryAnti"]) for rows, _ in stream_runs["hold"]], margin=0.6,
+    expect_verdict("holds", [float(rows[-1]["MemoryAnti"]) for rows, _ in stream_runs["hold"]], margin=0.6, delta=0.05,
                    claim="MemoryAnti zero-shot with the hold loss >= 0.6")
     key = "state/after_2_MemoryPro/MemoryAnti/hold_distance"
     assert max(m[key] for _, m in stream_runs["hold"]) <= 0.2
@@ -161,8 +161,7 @@ def test_must_show_memory_anti_zero_shot(stream_runs):
     """The paper's claim at our bar, MemoryAnti zero-shot >= 0.6 for what+how as the paper trains it, judged by the
     verdict rule over seeds 0-4: a tie (0.78 / 0.24 / 0.32 / 0.59 / 0.45, mean 0.48, 95 % interval [0.20, 0.75]
     contains 0.6; docs/methods/lowrank_rnn_cl.md, Not reproduced here). Red the day the seeds decide it."""
-    from lowrank_lit.stats import verdict
+    from lowrank_lit.stats import expect_verdict
 
     zero_shot = [float(rows[-1]["MemoryAnti"]) for rows, _ in stream_runs["what_how"]]
-    v = verdict(zero_shot, margin=0.6)
-    assert v.outcome == "tie" and v.low <= 0.6 <= v.high, (str(v), zero_shot)
+    expect_verdict("inconclusive", zero_shot, margin=0.6, delta=0.05, claim="what+how MemoryAnti zero-shot >= 0.6")
