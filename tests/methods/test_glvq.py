@@ -315,7 +315,7 @@ SEEDS = tuple(range(10))  # the seed budget (docs/reproduce.md, "How many seeds"
 
 @pytest.fixture(scope="module")
 def digits_mlp_runs(tmp_path_factory):
-    """Seeds 0-4: the full-precision MLP trained with the seed, quantized at 2 and 3 bits by GLVQ, the best scalar
+    """Seeds 0-9: the full-precision MLP trained with the seed, quantized at 2 and 3 bits by GLVQ, the best scalar
     lattice and RTN (calibrated on the seed's 512 training images): (per-layer relative error, test accuracy) per
     variant and seed. One thread, so the numbers do not depend on the machine's core count."""
     import csv
@@ -356,7 +356,8 @@ def _accs(res, name: str) -> list[float]:
 def test_must_show_digits_mlp(digits_mlp_runs):
     """GLVQ's calibration error <= the best scalar lattice's on every layer of every seed, clearly lower at 2 bits
     (the mean ratio per layer <= 0.9); test accuracy GLVQ against RTN at 3 bits judged by the verdict rule (paired
-    over seeds 0-4): a tie, as docs/methods/glvq.md states."""
+    over seeds 0-9, delta 1 point): equivalent (+0.0011, 95 % interval [-0.0023, +0.0046]), as docs/methods/glvq.md
+    states."""
     from lowrank_lit.stats import expect_verdict
 
     res = digits_mlp_runs
@@ -366,19 +367,21 @@ def test_must_show_digits_mlp(digits_mlp_runs):
     for layer in (0, 1):
         ratio = sum(res[("glvq2", s)][0][layer] / res[("scalar2", s)][0][layer] for s in SEEDS) / len(SEEDS)
         assert ratio <= 0.9, (layer, ratio, res)
-    expect_verdict("inconclusive", _accs(res, "glvq3"), _accs(res, "rtn3"), delta=0.01, claim="GLVQ >= RTN at 3 bits")
+    expect_verdict("equivalent", _accs(res, "glvq3"), _accs(res, "rtn3"), delta=0.01, claim="GLVQ >= RTN at 3 bits")
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "does not hold; digits MLP at 2 bits, seeds 0-9, one thread: test accuracy GLVQ 0.9618 +- 0.0065 against RTN "
+    "0.9693 +- 0.0049 (RTN at 3.0 bits per weight, GLVQ 2.127), GLVQ behind on 9 of 10 seeds by 1-8 of 450 images, "
+    "difference -0.0076, 95 % interval [-0.0126, -0.0025] (docs/methods/glvq.md, Not reproduced here)"))
 def test_must_show_glvq_2bit_accuracy_at_least_rtn(digits_mlp_runs):
     """The paper's claim on the digits MLP at 2 bits, test accuracy GLVQ >= RTN, judged by the verdict rule (paired
-    over seeds 0-4, one thread): a tie within noise on this machine (GLVQ 1-7 of 450 images behind on four seeds,
-    ahead on one) and on another of the same kind (GLVQ ahead on average); the test turns red the day the seeds
-    separate the two, either way (docs/methods/glvq.md)."""
+    over seeds 0-9, one thread, delta 1 point): must hold."""
     from lowrank_lit.stats import expect_verdict
 
     res = digits_mlp_runs
-    expect_verdict("inconclusive", _accs(res, "glvq2"), _accs(res, "rtn2"), delta=0.01, claim="GLVQ >= RTN at 2 bits")
+    expect_verdict("holds", _accs(res, "glvq2"), _accs(res, "rtn2"), delta=0.01, claim="GLVQ >= RTN at 2 bits")
 
 
 @pytest.mark.e2e

@@ -400,11 +400,12 @@ def recurring_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_must_show_recurring_corruptions(recurring_runs):
-    """Our acceptance criterion over seeds 0-9 (source CNN trained and stream drawn with each seed):
-    the reservoir holds exactly 7 models on >= 3/4 of the seeds and never more than 9; purity >= 0.95 on
-    every seed; EATA + Reservoir <= EATA + 1 point and no re-entry spike (seed 0). Tent + Reservoir's mean error
-    over recurrences 3-6 against Tent's, judged by the verdict rule with delta = 1 point: below Tent and by >= 8
-    points (docs/methods/reservoir_tta.md has the numbers)."""
+    """Our acceptance criterion over seeds 0-9 (source CNN trained and stream drawn with each seed), the parts that
+    hold: never more than 9 models; purity >= 0.95 on every seed (1.000 on all ten); EATA + Reservoir <= EATA + 1
+    point and no re-entry spike (seed 0). Tent + Reservoir's mean error over recurrences 3-6 against Tent's, judged
+    by the verdict rule with delta = 1 point: below Tent holds (+6.2 points, 95 % interval [+1.4, +11.0]); by >= 8
+    points inconclusive (half-width 4.8 points). Per seed 13.7 / 8.5 / 11.5 / 1.1 / -3.8 / 13.9 / 12.4 / -0.3 /
+    -0.6 / 5.3 points (docs/methods/reservoir_tta.md)."""
     from lowrank_lit.stats import expect_verdict
 
     gaps, models, report = recurring_runs["gaps"], recurring_runs["models"], recurring_runs["report"]
@@ -413,20 +414,30 @@ def test_must_show_recurring_corruptions(recurring_runs):
     assert eata_res.per_recurrence[5] <= eata.per_recurrence[5] + 0.01, report
     assert _spike(eata_res.rows) <= 0.02, (report, _spike(eata_res.rows), _spike(eata.rows))
     assert not math.isnan(_spike(eata.rows))
-    assert 4 * sum(m == 7 for m in models) >= 3 * len(models) and max(models) <= 9, (models, report)
-    expect_verdict(("inconclusive", "holds"), gaps, delta=0.01, claim="Tent + Reservoir below Tent over recurrences 3-6")
+    assert max(models) <= 9, (models, report)
+    expect_verdict("holds", gaps, delta=0.01, claim="Tent + Reservoir below Tent over recurrences 3-6")
     expect_verdict("inconclusive", gaps, margin=0.08, delta=0.01,
                    claim="Tent + Reservoir >= 8 points below Tent over recurrences 3-6")
 
 
 @pytest.mark.slow
 @pytest.mark.no_verdict("a property asserted on every seed (never above Tent's error), not a mean over seeds")
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="seeds 0-9: Tent + Reservoir's error over recurrences "
-                   "3-6 is above Tent's on at least one seed (3.8 points)")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="seeds 0-9: Tent + Reservoir's mean error over "
+                   "recurrences 3-6 is above Tent's on seeds 4, 7 and 8 (by 3.8, 0.3 and 0.6 points)")
 def test_must_show_reservoir_never_worse_than_tent(recurring_runs):
     """Our acceptance criterion: Tent + Reservoir's mean error over recurrences 3-6 not above Tent's on any seed."""
     gaps = recurring_runs["gaps"]
     assert min(gaps) >= 0.0, gaps
+
+
+@pytest.mark.slow
+@pytest.mark.no_verdict("a count over seeds (one model per domain, K = 7), not a mean difference")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="seeds 0-9: the reservoir holds 7 models on 7 of 10 "
+                   "seeds and 8 on seeds 0, 5 and 9 (an extra cluster), below the 3 in 4 of our criterion")
+def test_must_show_reservoir_holds_one_model_per_domain(recurring_runs):
+    """Our acceptance criterion: exactly 7 models (the source and the six corruptions) on at least 3 in 4 seeds."""
+    models = recurring_runs["models"]
+    assert 4 * sum(m == 7 for m in models) >= 3 * len(models), models
 
 
 def test_cifar10c_stream_from_files(tmp_path):

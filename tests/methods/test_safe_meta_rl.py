@@ -325,7 +325,7 @@ def test_must_show_gridnav(tmp_path):
 
 @pytest.fixture(scope="module")
 def pointnav_runs(tmp_path_factory):
-    """PointNav2D (policy network), seeds 0-4, the safe step, the fixed multiplier and nu = 0 (as
+    """PointNav2D (policy network), seeds 0-9 (the seed budget), the safe step, the fixed multiplier and nu = 0 (as
     sweeps/safe_meta_rl_pointnav.yaml runs them): ``{adapt: [final metrics per seed]}``."""
     from lowrank_lit.report import last_values
     from tests.helpers import CONFIGS, run_cli
@@ -347,10 +347,11 @@ def _violations(runs: list[dict[str, float]]) -> float:
 
 @pytest.mark.slow
 def test_must_show_pointnav_fewer_violations(pointnav_runs):
-    """PointNav2D over seeds 0-4: in total the safe step violates no more often than the fixed multiplier (1 against
-    2), and both far less than nu = 0 (19). Judged by the verdict rule, paired by seed (violations 0, 1, 0, 0, 0 /
-    2, 0, 0, 0, 0 / 7, 3, 9, 0, 0), each comparison is a tie: safe against the fixed multiplier +0.2 fewer, 95 %
-    interval [-1.2, +1.6]; safe against nu = 0 +3.6, [-1.6, +8.8] (two seeds with no violation under nu = 0)."""
+    """PointNav2D over seeds 0-9: in total the safe step violates no more often than the fixed multiplier (1 against
+    2), and both far less than nu = 0 (24). Judged by the verdict rule, paired by seed, with delta = 0.5 violations
+    per seed (safe 1 on seed 1; fixed multiplier 2 on seed 0; nu = 0: 7, 3, 9, 0, 0, 0, 2, 3, 0, 0), each comparison
+    is inconclusive: safe against the fixed multiplier +0.1 fewer, 95 % interval [-0.43, +0.63]; safe against
+    nu = 0 +2.3, [-0.01, +4.61] (five seeds with no violation under nu = 0)."""
     from lowrank_lit.stats import expect_verdict
 
     v = {a: _violations(r) for a, r in pointnav_runs.items()}
@@ -361,11 +362,12 @@ def test_must_show_pointnav_fewer_violations(pointnav_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="PointNav2D seeds 0-4: safe step 1 violation (seed 1), final J_r -17.19 +/- 2.15; "
-                   "fixed multiplier 2 violations, -16.67 +/- 1.65 (docs/methods/safe_meta_rl.md, Not reproduced here)")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="PointNav2D seeds 0-9: safe step 1 violation (seed 1), final J_r -16.46 +/- 1.70; "
+                   "fixed multiplier 2 violations, -16.12 +/- 1.36; reward inconclusive, -0.34 [-1.05, +0.37] "
+                   "(docs/methods/safe_meta_rl.md, Not reproduced here)")
 def test_must_show_pointnav_safe_and_better_than_the_fixed_multiplier(pointnav_runs):
-    """Our acceptance criterion: zero violations after every step over 5 seeds (a count, on every seed), and a final
-    reward above the fixed-multiplier baseline's, judged by the verdict rule (paired over seeds 0-4): must hold."""
+    """Our acceptance criterion: zero violations after every step over 10 seeds (a count, on every seed), and a final
+    reward above the fixed-multiplier baseline's, judged by the verdict rule (paired over seeds 0-9): must hold."""
     from lowrank_lit.stats import verdict
 
     final = {a: [m["test/J_r_final"] for m in r] for a, r in pointnav_runs.items()}

@@ -462,15 +462,15 @@ def test_tta_config_runs(name, source_root, run_root):
 def test_must_show_digits_c(tmp_path):
     """Our acceptance criterion over seeds 0-2 (source TinyVMamba trained and stream drawn with each seed):
     mean accuracy over the five corruptions of TRUST and TRUST-naive >= source + 0.15, and TRUST >=
-    TRUST-naive - 0.02, each judged by the verdict rule paired by seed: the first two hold (+0.313, 95 % interval
-    [+0.228, +0.399]; +0.315, [+0.257, +0.374]); TRUST against TRUST-naive - 0.02 is a tie (-0.002,
-    [-0.041, +0.037])."""
+    TRUST-naive - 0.02, each judged by the verdict rule paired by seed with delta = 1 point: the first two hold
+    (+0.313, 95 % interval [+0.228, +0.399]; +0.315, [+0.257, +0.374]); TRUST against TRUST-naive - 0.02 is
+    inconclusive (-0.002, [-0.041, +0.037])."""
     from lowrank_lit.report import last_values
     from lowrank_lit.stats import expect_verdict
     from tests.helpers import CONFIGS, run_cli
 
     acc: dict[str, list[float]] = {}
-    for seed in range(10):  # the seed budget (docs/reproduce.md, "How many seeds")
+    for seed in range(3):  # 3 of the budget's 10 (docs/reproduce.md, "How many seeds"): not yet rerun at 10
         assert run_cli("fit", "--config", CONFIGS / "trust" / "source_vmamba_digits.yaml", f"--seed_everything={seed}",
                        f"--run_id=seed{seed}", "--test_after_fit=false", run_root=tmp_path) == 0
         ckpt = tmp_path / "trust" / "source_vmamba_digits" / "seed{seed}" / "checkpoints" / "last.ckpt"
@@ -482,16 +482,18 @@ def test_must_show_digits_c(tmp_path):
     print(acc)
     expect_verdict("holds", acc["trust"], acc["source"], margin=0.15, delta=0.01, claim="TRUST >= source + 0.15")
     expect_verdict("holds", acc["naive"], acc["source"], margin=0.15, delta=0.01, claim="TRUST-naive >= source + 0.15")
-    expect_verdict("equivalent", acc["trust"], acc["naive"], margin=-0.02, delta=0.01, claim="TRUST >= TRUST-naive - 0.02")
+    expect_verdict("inconclusive", acc["trust"], acc["naive"], margin=-0.02, delta=0.01, claim="TRUST >= TRUST-naive - 0.02")
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "does not hold; LayerNorm TinyVMamba, batch 64, seeds 0-9: TRUST (sequential, mean) 0.520 +- 0.095 against Tent "
+    "0.562 +- 0.057, lower on 8 of 10 seeds, difference -0.043, 95 % interval [-0.077, -0.008] against the margin "
+    "+0.01 (docs/methods/trust.md, Not reproduced here)"))
 def test_must_show_layernorm_trust_beats_tent(tmp_path):
     """The paper's claim on a LayerNorm VMamba (no batch statistics to exploit): TRUST >= Tent + 0.01 on the
-    mean accuracy over the five corruptions, seeds 0-2, batch 64. Judged by the verdict rule it is a tie: TRUST
-    (sequential, mean) 0.514 +- 0.064 (0.484 / 0.471 / 0.588) against Tent 0.575 +- 0.041 (0.583 / 0.531 / 0.613),
-    difference -0.061, 95 % interval [-0.153, +0.031] around the margin +0.01 (lowrank sweep sweeps/trust_ln.yaml;
-    lower on every seed: self-training on the SS2D parameters drifts below the source model)."""
+    mean accuracy over the five corruptions, seeds 0-9 (the seed budget), batch 64, judged by the verdict rule with
+    delta = 1 point: must hold."""
     from lowrank_lit.report import last_values
     from lowrank_lit.stats import expect_verdict
     from tests.helpers import CONFIGS, run_cli
@@ -508,7 +510,7 @@ def test_must_show_layernorm_trust_beats_tent(tmp_path):
             vals = last_values(tmp_path / "trust" / "digits_c_trust_ln" / f"{name}{seed}" / "metrics.csv")
             acc.setdefault(name, []).append(vals["test/acc_domains"])
     print(acc)
-    expect_verdict("does not hold", acc["trust"], acc["tent"], margin=0.01, delta=0.01, claim="TRUST >= Tent + 0.01 (LayerNorm VMamba)")
+    expect_verdict("holds", acc["trust"], acc["tent"], margin=0.01, delta=0.01, claim="TRUST >= Tent + 0.01 (LayerNorm VMamba)")
 
 
 def test_imagenet_c_stream_from_a_folder(tmp_path):

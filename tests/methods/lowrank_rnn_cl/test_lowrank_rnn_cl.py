@@ -101,7 +101,7 @@ def test_bad_inputs():
 
 @pytest.fixture(scope="module")
 def stream_runs(tmp_path_factory):
-    """what+how (the paper's), what+how with our hold loss, and vanilla over seeds 0-4 at the configs' budget:
+    """what+how (the paper's), what+how with our hold loss, and vanilla over seeds 0-9 at the configs' budget:
     the forgetting matrix (rows after each stage) and the last logged metrics of each run."""
     from lowrank_lit.report import last_values
     from tests.helpers import CONFIGS, run_cli
@@ -122,10 +122,10 @@ def stream_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_must_show_task_stream(stream_runs):
-    """Our acceptance criterion over seeds 0-4, the parts that hold: vocabulary 3 -> 4 -> 5; what+how keeps every
-    trained task within 0.05 of its post-training accuracy; vanilla drops DelayPro by >= 0.5 (every run); MemoryAnti
-    zero-shot of vanilla below 0.2 (holds by the verdict rule: 0.02 / 0.00 / 0.02 / 0.04 / 0.00) and of what+how
-    >= vanilla + 0.25: a tie by the rule (+0.46, 95 % interval [+0.20, +0.72] contains +0.25)."""
+    """Our acceptance criterion over seeds 0-9 (the seed budget), the parts that hold: vocabulary 3 -> 4 -> 5; what+how
+    keeps every trained task within 0.05 of its post-training accuracy; vanilla drops DelayPro by >= 0.5 (every
+    run); MemoryAnti zero-shot of vanilla below 0.2 (holds by the verdict rule: 0.064 +- 0.038) and of what+how
+    >= vanilla + 0.25: holds by the rule with delta 0.05 (+0.414, 95 % interval [+0.252, +0.576])."""
     from lowrank_lit.stats import expect_verdict
 
     trained = ["DelayPro", "DelayAnti", "MemoryPro"]
@@ -139,14 +139,14 @@ def test_must_show_task_stream(stream_runs):
     zs = {n: [float(rows[-1]["MemoryAnti"]) for rows, _ in r] for n, r in stream_runs.items()}
     print(zs)
     expect_verdict("holds", [0.2 - z for z in zs["vanilla"]], delta=0.05, claim="vanilla MemoryAnti zero-shot < 0.2")
-    expect_verdict("inconclusive", zs["what_how"], zs["vanilla"], margin=0.25, delta=0.05, claim="what+how MemoryAnti >= vanilla + 0.25")
+    expect_verdict("holds", zs["what_how"], zs["vanilla"], margin=0.25, delta=0.05, claim="what+how MemoryAnti >= vanilla + 0.25")
 
 
 @pytest.mark.slow
 def test_must_show_memory_anti_with_the_hold_loss(stream_runs):
     """Our remedy (not the paper's): with the state-holding loss on MemoryPro's delay, MemoryAnti zero-shot >= 0.6
     and the memory epoch's state stays within 0.2 (relative) of the stimulus state (every run). The zero-shot bar
-    judged by the verdict rule holds (0.93 on every seed)."""
+    judged by the verdict rule holds (0.93 on every seed of 0-9)."""
     from lowrank_lit.stats import expect_verdict
 
     expect_verdict("holds", [float(rows[-1]["MemoryAnti"]) for rows, _ in stream_runs["hold"]], margin=0.6, delta=0.05,
@@ -159,8 +159,8 @@ def test_must_show_memory_anti_with_the_hold_loss(stream_runs):
 @pytest.mark.slow
 def test_must_show_memory_anti_zero_shot(stream_runs):
     """The paper's claim at our bar, MemoryAnti zero-shot >= 0.6 for what+how as the paper trains it, judged by the
-    verdict rule over seeds 0-4: a tie (0.78 / 0.24 / 0.32 / 0.59 / 0.45, mean 0.48, 95 % interval [0.20, 0.75]
-    contains 0.6; docs/methods/lowrank_rnn_cl.md, Not reproduced here). Red the day the seeds decide it."""
+    verdict rule over seeds 0-9 with delta 0.05: inconclusive (mean 0.478, 95 % interval [0.31, 0.65] contains 0.6;
+    docs/methods/lowrank_rnn_cl.md, Not reproduced here). Red the day the seeds decide it."""
     from lowrank_lit.stats import expect_verdict
 
     zero_shot = [float(rows[-1]["MemoryAnti"]) for rows, _ in stream_runs["what_how"]]
