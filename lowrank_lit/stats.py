@@ -139,9 +139,12 @@ def verdict(ours: Sequence[float], theirs: Sequence[float] | None = None, paired
         # Welch-Satterthwaite degrees of freedom (any df gives a zero half-width at zero spread)
         df = (va + vb) ** 2 / (va**2 / (len(ours) - 1) + vb**2 / (len(other) - 1)) if se > 0 else 1.0
     alpha = 1.0 - confidence
-    half = _t_quantile(1 - alpha / 2, df) * se if se > 0 else 0.0
-    tost_half = _t_quantile(1 - alpha, df) * se if se > 0 else 0.0  # one-sided at alpha: the 1 - 2 alpha interval
-    detectable = (_t_quantile(1 - alpha / 2, df) + _t_quantile(POWER, df)) * se if se > 0 else 0.0
+    half = tost_half = detectable = 0.0  # zero spread: every interval is the mean itself
+    if se > 0:
+        t_two = _t_quantile(1 - alpha / 2, df)
+        half = t_two * se
+        tost_half = _t_quantile(1 - alpha, df) * se  # one-sided at alpha: the 1 - 2 alpha interval
+        detectable = (t_two + _t_quantile(POWER, df)) * se
     low, high = mean - half, mean + half
     tost_low, tost_high = mean - tost_half, mean + tost_half
     if low > margin:
