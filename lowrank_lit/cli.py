@@ -18,6 +18,7 @@ W&B files (offline unless an API key is configured or ``WANDB_MODE=online``).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -193,7 +194,7 @@ def cmd_list(slug: str | None = None, *, markdown: bool = False, pages: bool = F
         rows = [("config", "command", "needs", "first")]
         for cfg in info.configs():
             h = config_header(registry.project_root() / cfg)
-            rows.append((cfg, f"lowrank {h.command or 'fit'}", h.needs(), h.first or "-"))
+            rows.append((cfg, shlex.join(["lowrank", *h.command_line(cfg)]), h.needs(), h.first or "-"))
         _print_columns(rows)
         return 0
     if not methods:

@@ -34,7 +34,7 @@ def experiment_configs(parse_only: bool = False) -> list[Path]:
 
 
 def config_subcommand(config: Path) -> str:
-    """The ``lowrank`` subcommand a config's ``# Run: lowrank test ...`` header line gives, else ``fit``."""
+    """The ``lowrank`` subcommand of a config's ``run.verb``, else ``fit``."""
     from lowrank_lit.launch.checks import config_header
 
     return config_header(config).command or "fit"

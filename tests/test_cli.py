@@ -346,7 +346,11 @@ def test_list_of_one_method_gives_command_needs_and_first(capsys):
     assert "lowrank test" in rows["configs/trust/digits_c_trust.yaml"]
     assert rows["configs/trust/digits_c_trust.yaml"].endswith("lowrank fit --config configs/trust/source_vmamba_digits.yaml")
     assert "lowrank fit" in rows["configs/trust/source_vmamba_digits.yaml"]
-    assert "GPU, your files" in rows["configs/trust/vmamba_tiny_imagenetc_gpu.yaml"]
+    gpu = rows["configs/trust/vmamba_tiny_imagenetc_gpu.yaml"]
+    assert "GPU, your files" in gpu
+    # the whole command, with what run.args says it needs beyond --config
+    assert ("lowrank test --config configs/trust/vmamba_tiny_imagenetc_gpu.yaml "
+            "--data.init_args.data_dir=/data/ImageNet-C '--model.init_args.source_ckpt=<ckpt>'") in gpu
     assert main(["list"]) == 0
     trust = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("trust "))
     assert " fit, test " in trust

@@ -104,17 +104,25 @@ def test_presets_append_instead_of_replacing(run_root):
     assert {"ModelCheckpoint", "EarlyStopping", "LearningRateMonitor"} <= names
 
 
-def test_every_config_starts_with_a_run_comment():
+def test_every_config_starts_with_a_comment_and_its_command_lives_in_its_run_block():
+    """A config says what it runs in a comment; its command is its ``run:`` block (``lowrank list <slug>`` prints
+    it), never a ``# Run:`` / ``# First:`` comment that copies it. A fragment, which has no ``run:``, shows in a
+    comment the command it is added to."""
+    from lowrank_lit.launch.checks import config_header
+
     for path in [*CONFIGS.rglob("*.yaml"), *PRESET_FILES]:
         lines = path.read_text().splitlines()
         assert lines[0].startswith("# "), f"{path}: must start with a comment saying what it runs"
-        assert any("lowrank " in ln for ln in lines if ln.startswith("#")), f"{path}: header lacks the command"
+        copies = [ln for ln in lines if ln.startswith(("# Run:", "# First:"))]
+        assert not copies, f"{path}: {copies[0]!r} copies run.verb / run.first / run.args; keep them in run: only"
+        if config_header(path).command is None:
+            assert any("lowrank " in ln for ln in lines if ln.startswith("#")), f"{path}: a fragment names no command"
 
 
 def test_every_experiment_config_declares_how_it_is_run():
-    """The ``run:`` block, which code reads (the comment lines are for people): a verb, and what it needs and names
-    agree with the comments; a ``first`` command names a config that exists; a config that says it needs your files
-    names the rehearsal that runs it."""
+    """The ``run:`` block, which code reads: a verb, known keys and needs; ``args`` are ``--key=value`` arguments; a
+    ``first`` command names a config that exists; a config that says it needs your files names the rehearsal that
+    runs it."""
     import yaml
 
     from lowrank_lit.launch.checks import NEEDS, RunSpec
@@ -128,8 +136,8 @@ def test_every_experiment_config_declares_how_it_is_run():
             f"{rel}: no run.verb; allowed: fit, validate, test, predict"
         assert set(run) <= allowed, f"{rel}: run keys {sorted(set(run) - allowed)}; allowed: {sorted(allowed)}"
         assert set(run.get("needs") or []) <= set(NEEDS), f"{rel}: run.needs={run.get('needs')}; allowed: {NEEDS}"
-        comment = next((ln for ln in path.read_text().splitlines() if ln.startswith("# Run:")), None)
-        assert comment is None or f"lowrank {run['verb']} " in comment, f"{rel}: '# Run:' says {comment!r}, run.verb {run['verb']}"
+        bad_args = [a for a in run.get("args") or [] if not (isinstance(a, str) and a.startswith("--") and "=" in a)]
+        assert not bad_args, f"{rel}: run.args {bad_args}; allowed: --key=value strings"
         if run.get("first"):
             first = run["first"].split("--config", 1)[1].split()[0]
             assert (ROOT / first).is_file(), f"{rel}: run.first names {first}, which does not exist"

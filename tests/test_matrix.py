@@ -8,7 +8,8 @@ import shlex
 import pytest
 import yaml
 
-from lowrank_lit.launch.matrix import GridError, cell_name, load_grid, merge_fragments
+from lowrank_lit.launch.checks import appends_applied, merge_config_layers
+from lowrank_lit.launch.matrix import GridError, cell_name, load_grid
 from tests.helpers import ROOT
 
 BASE = str(ROOT / "configs" / "baseline" / "mlp_digits.yaml")
@@ -33,8 +34,26 @@ def test_cells_are_the_cross_product_named_by_axis_and_component(tmp_path):
 def test_fragments_merge_in_order_and_callback_lists_add_up():
     a = {"trainer": {"callbacks+": [{"class_path": "A"}], "max_epochs": 2}, "model": {"init_args": {"lr": 1}}}
     b = {"trainer": {"callbacks+": [{"class_path": "B"}]}, "model": {"init_args": {"lr": 2, "wd": 0}}}
-    assert merge_fragments([a, b]) == {"trainer": {"callbacks+": [{"class_path": "A"}, {"class_path": "B"}], "max_epochs": 2},
-                                       "model": {"init_args": {"lr": 2, "wd": 0}}}
+    assert merge_config_layers([a, b]) == {"trainer": {"callbacks+": [{"class_path": "A"}, {"class_path": "B"}],
+                                                       "max_epochs": 2},
+                                           "model": {"init_args": {"lr": 2, "wd": 0}}}
+
+
+def test_one_merge_rule_for_config_stacks_sweeps_and_grids():
+    """``key+`` appends to a key an earlier layer set, stays ``key+`` for the parser otherwise, and a later plain key
+    drops it; the sweep's check and the matrix use this one function."""
+    from lowrank_lit.launch import matrix, sweep_spec
+
+    base = {"trainer": {"callbacks": [{"class_path": "A"}], "max_epochs": 1}}
+    frag = {"trainer": {"callbacks+": {"class_path": "B"}}}
+    layers = [base, frag]
+    assert merge_config_layers(layers) == {"trainer": {"callbacks": [{"class_path": "A"}, {"class_path": "B"}],
+                                                       "max_epochs": 1}}
+    assert base["trainer"]["callbacks"] == [{"class_path": "A"}]  # the layers are not changed
+    assert merge_config_layers([frag, {"trainer": {"callbacks": []}}]) == {"trainer": {"callbacks": []}}
+    assert merge_config_layers([frag, frag]) == {"trainer": {"callbacks+": [{"class_path": "B"}] * 2}}
+    assert appends_applied(merge_config_layers([frag])) == {"trainer": {"callbacks": [{"class_path": "B"}]}}
+    assert matrix.merge_config_layers is sweep_spec.merge_config_layers is merge_config_layers
 
 
 @pytest.mark.parametrize(("bad", "match"), [

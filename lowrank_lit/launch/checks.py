@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 from lowrank_lit.argtypes import input_path_args
 
 __all__ = [
-    "LIGHTNING_COMMANDS", "ConfigError", "YamlFileError", "load_yaml", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
+    "LIGHTNING_COMMANDS", "ConfigError", "YamlFileError", "load_yaml", "merge_config_layers", "appends_applied", "KNOWN_NOISE", "closest", "config_file_error", "yaml_syntax_error", "check_input_files", "check_values", "setup_error", "config_files", "experiment_from_configs", "first_line",
     "interrupted_message", "is_rank_zero", "one_line_error", "quiet_known_noise",
     "resume_command", "stdout_is_terminal", "wandb_online_allowed", "RunSpec", "NEEDS", "ConfigHeader", "config_header",
     "resolve_path_templates", "import_dotted",
@@ -120,12 +120,16 @@ class RunSpec:
         tested_by: the test that runs the config end to end when it cannot run as it is (it needs a checkpoint that
             test makes, or your files): ``tests/<file>.py`` or ``tests/rehearsal/test_rehearsal.py::test_x``; None:
             CI runs it as it is.
+        args: what the command needs beyond ``--config`` (where your files are, a checkpoint), as you would type
+            it, e.g. ``[--data.init_args.data_dir=/data/cifar10]``; ``lowrank list <slug>`` prints the whole command
+            and the rehearsal replaces each path with a fixture's.
     """
 
     verb: Verb = "fit"
     first: str | None = None
     needs: list[Need] = field(default_factory=list)
     tested_by: str | None = None
+    args: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class ConfigHeader:
         your_data: it reads files you bring (``your_files`` in ``run.needs``).
         gpu: it asks for a GPU (``gpu`` in ``run.needs``, or ``trainer.accelerator`` gpu / cuda).
         tested_by: ``run.tested_by``, the test that runs it end to end when it cannot run as it is, or None.
+        args: ``run.args``, what its command needs beyond ``--config``.
     """
 
     command: str | None
@@ -145,6 +150,11 @@ class ConfigHeader:
     your_data: bool
     gpu: bool
     tested_by: str | None = None
+    args: tuple[str, ...] = ()
+
+    def command_line(self, path: str | Path) -> list[str]:
+        """The command that runs the config at ``path``, after ``lowrank``: ``[verb, --config, path, *args]``."""
+        return [self.command or "fit", "--config", str(path), *self.args]
 
     def needs(self) -> str:
         """``"GPU, your files"``, ``"your files"``, ... or ``"-"``."""
@@ -172,7 +182,8 @@ def config_header(path: str | Path) -> ConfigHeader:
     trainer = (yaml.load(_top_level_block(text, "trainer"), Loader=loader) or {}).get("trainer") or {}
     needs = run.get("needs") or []
     gpu = "gpu" in needs or str(trainer.get("accelerator")) in ("gpu", "cuda")
-    return ConfigHeader(run.get("verb"), run.get("first"), "your_files" in needs, gpu, run.get("tested_by"))
+    return ConfigHeader(run.get("verb"), run.get("first"), "your_files" in needs, gpu, run.get("tested_by"),
+                        tuple(run.get("args") or ()))
 
 
 def wrong_command(command: str, files: Sequence[str]) -> str | None:
@@ -583,6 +594,44 @@ def load_yaml(path: str | os.PathLike, what: str, mapping: bool = True) -> Any:
         raise YamlFileError(f"{what}: {name}: line 1: the file holds a YAML {kind}; allowed: a mapping of keys "
                             "(e.g. trainer:, model:, data:)")
     return data
+
+
+def merge_config_layers(layers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Compose config layers in order, by the rule ``lowrank`` applies to a ``--config`` stack; the one merge of
+    ``--config`` files (the sweep's check), grid fragments (``lowrank matrix``) and anything else that layers configs.
+
+    A later scalar or list replaces an earlier one; mappings merge key by key; ``key+: [a, b]`` (or ``key+: a``)
+    appends to ``key`` when an earlier layer set it, and otherwise stays ``key+`` (concatenated with an earlier
+    ``key+``) so that the parser appends it to what it holds when the merged layer is given to it; a later plain
+    ``key`` drops an earlier ``key+``. The layers are not changed.
+    """
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(key, str) and key.endswith("+"):
+                items = list(value) if isinstance(value, list) else [value]
+                plain = key[:-1]
+                if plain in out:
+                    old = out[plain]
+                    out[plain] = [*(old if isinstance(old, list) else [] if old is None else [old]), *items]
+                else:
+                    out[key] = [*out.get(key, []), *items]
+            elif isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merge_config_layers([out[key], value])
+            else:
+                out[key] = merge_config_layers([value]) if isinstance(value, dict) else value
+                out.pop(f"{key}+", None)
+    return out
+
+
+def appends_applied(config: dict[str, Any]) -> dict[str, Any]:
+    """A merged config as the parser holds it once every remaining ``key+`` is appended to the parser's default (an
+    empty list): ``key+`` becomes ``key``. For checks of key names against what a stack of configs sets."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        name = key[:-1] if isinstance(key, str) and key.endswith("+") else key
+        out[name] = appends_applied(value) if isinstance(value, dict) else value
+    return out
 
 
 def config_file_error(files: Sequence[str]) -> str | None:

@@ -50,10 +50,10 @@ import yaml
 from jsonargparse.typing import NonNegativeInt
 
 from lowrank_lit.argtypes import Seed
-from lowrank_lit.launch.checks import YamlFileError, load_yaml
+from lowrank_lit.launch.checks import YamlFileError, load_yaml, merge_config_layers
 from lowrank_lit.launch.verbs import PassThrough, Typed
 
-__all__ = ["Grid", "GridError", "load_grid", "merge_fragments", "prepare", "check_cells", "collect", "main"]
+__all__ = ["Grid", "GridError", "load_grid", "prepare", "check_cells", "collect", "main"]
 
 GOALS = ("minimize", "maximize")
 
@@ -102,23 +102,9 @@ def _nest(fragment: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(p, {})
         last = parts[-1]
         if isinstance(node.get(last), dict) and isinstance(value, dict):
-            node[last] = merge_fragments([node[last], value])
+            node[last] = merge_config_layers([node[last], value])
         else:
             node[last] = value
-    return out
-
-
-def merge_fragments(fragments: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Deep-merge config fragments in order: later keys win, mappings merge, ``key+`` lists are concatenated."""
-    out: dict[str, Any] = {}
-    for frag in fragments:
-        for key, value in frag.items():
-            if key.endswith("+") and isinstance(value, list):
-                out[key] = [*out.get(key, []), *value]
-            elif isinstance(value, dict) and isinstance(out.get(key), dict):
-                out[key] = merge_fragments([out[key], value])
-            else:
-                out[key] = value
     return out
 
 
@@ -184,7 +170,7 @@ def prepare(grid: Grid, base: str, root: Path, name: str) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for cell in grid.cells():
-        merged = merge_fragments([grid.axes[axis][comp] for axis, comp in cell])
+        merged = merge_config_layers([grid.axes[axis][comp] for axis, comp in cell])
         merged["experiment"] = f"{name}/{cell_name(cell)}"
         path = folder / f"{cell_name(cell)}.yaml"
         text = f"# cell {cell_name(cell)} of {grid.path}, layered on {base}\n" + yaml.safe_dump(merged, sort_keys=False)

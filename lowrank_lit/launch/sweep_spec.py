@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowrank_lit.launch.checks import YamlFileError, load_yaml
+from lowrank_lit.launch.checks import YamlFileError, appends_applied, load_yaml, merge_config_layers
 
 __all__ = ["METHODS", "GOALS", "DISTRIBUTIONS", "ARGS_MACRO", "CONFIG_KEY", "SweepError", "SweepSpec", "load_sweep",
            "make_pruner", "format_value", "overrides_to_args", "TOP_LEVEL_KEYS", "static_check", "check_keys",
@@ -244,22 +244,6 @@ TOP_LEVEL_KEYS = (
 )
 
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Compose config files as ``lowrank`` does: later files win, ``key+:`` appends to a list."""
-    out = dict(base)
-    for key, value in update.items():
-        if key.endswith("+"):
-            key = key[:-1]
-            old = out.get(key)
-            old = [] if old is None else old if isinstance(old, list) else [old]
-            out[key] = old + (value if isinstance(value, list) else [value])
-        elif isinstance(value, dict):
-            out[key] = _merge(out[key] if isinstance(out.get(key), dict) else {}, value)
-        else:
-            out[key] = value
-    return out
-
-
 def static_check(spec: SweepSpec) -> list[str]:
     """Check the sweep against its config files without importing Lightning, torch or any method.
 
@@ -279,7 +263,7 @@ def static_check(spec: SweepSpec) -> list[str]:
         if not Path(f).is_file():
             raise _fail(spec.path, f"command: --config file {f!r} does not exist")
         try:
-            composed = _merge(composed, load_yaml(f, "--config"))
+            composed = merge_config_layers([composed, load_yaml(f, "--config")])
         except YamlFileError as exc:
             raise _fail(spec.path, f"command: {exc}") from None
     notes = []
@@ -291,7 +275,7 @@ def static_check(spec: SweepSpec) -> list[str]:
             match = closest(parts[0], TOP_LEVEL_KEYS)
             hint = f"; did you mean {match}?" if match else f"; allowed: {', '.join(TOP_LEVEL_KEYS)}"
             raise _fail(spec.path, f"parameters.{key}: {parts[0]!r} is not a lowrank fit key{hint}")
-        node: Any = composed
+        node: Any = appends_applied(composed)
         for depth, part in enumerate(parts):
             if isinstance(node, list):
                 node = node[-1] if node else None  # jsonargparse: a list's key means its last entry

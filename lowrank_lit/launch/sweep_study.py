@@ -422,7 +422,7 @@ def best_config(spec: SweepSpec, study: Any, out_path: Path) -> Path:
     cfg.pop("config", None)
     header = (
         f"# Best trial {best.number} of sweep {spec.path} ({spec.metric} = {best.value:.6g}, {spec.goal}).\n"
-        f"# Run: lowrank {spec.fit_args[0]} --config {out_path}\n"
+        f"# lowrank {spec.fit_args[0]} --config {out_path}\n"
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(header + parser.dump(cfg, skip_none=False))

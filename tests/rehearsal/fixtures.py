@@ -18,14 +18,18 @@ from lightning.pytorch import Callback
 
 # ----------------------------------------------------------------------------------------- header commands
 _SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def header_commands(config: Path) -> dict[str, list[str]]:
-    """The ``lowrank`` commands a config's header documents, by label (``Run``, ``Score``, ``Baseline`` ...).
+    """The ``lowrank`` commands of a config, by label: ``Run`` from its ``run:`` block (verb, ``--config``, ``args``),
+    and the others its header comments document (``Score``, ``Baseline`` ...).
 
-    A command starts on a ``# <Label>: lowrank <subcommand> ...`` line and continues over the following comment
-    lines that start with ``--`` (or after a trailing backslash). Returns the argument lists after ``lowrank``.
+    A documented command starts on a ``# <Label>: lowrank <subcommand> ...`` line and continues over the following
+    comment lines that start with ``--`` (or after a trailing backslash). Returns the argument lists after ``lowrank``.
     """
+    from lowrank_lit.launch.checks import config_header
+
     lines = []
     for line in config.read_text().splitlines():
         if not line.startswith("#"):
@@ -45,6 +49,9 @@ def header_commands(config: Path) -> dict[str, list[str]]:
                 parts.append(lines[i].rstrip("\\").strip())
             out[label.split("(")[0].strip()] = shlex.split(" ".join(parts))[1:]
         i += 1
+    header = config_header(config)
+    if header.command is not None:
+        out["Run"] = header.command_line(config.relative_to(_ROOT) if config.is_relative_to(_ROOT) else config)
     return out
 
 
