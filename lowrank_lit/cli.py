@@ -105,7 +105,7 @@ COMMANDS: dict[str, Command] = {
                       "a grid of config fragments x seeds, one table: lowrank matrix --config BASE.yaml --grid GRID.yaml"),
     "export": Command("lowrank_lit.launch.export:main_export",
                       "only what a run trained: lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR "
-                      "[--format native, peft, hf or factors]"),
+                      "[--format FORMAT] (docs/artifacts.md lists the formats)"),
     "load": Command("lowrank_lit.launch.export:main_load",
                     "an exported artifact onto its checked base: lowrank load DIR [--out FILE.ckpt]"),
     "convert": Command("lowrank_lit.cli:cmd_convert",

@@ -18,7 +18,7 @@ from lowrank_lit.artifacts import (
     save_artifact,
     tensor_digest,
 )
-from tests.helpers import run_cli, text_batch
+from tests.helpers import ROOT, run_cli, text_batch
 from tests.tolerances import F32
 
 #: exports, merges and loads compared as floats: CI runs these under ATEN_CPU_CAPABILITY=default and avx2 too (.ci/run)
@@ -448,3 +448,55 @@ def test_trained_only_checkpoints_leave_the_frozen_weights_out_and_check_them_on
     assert resumed.global_step == 5
     with pytest.raises(ValueError, match="frozen weight 'base.bias' differs"):  # another base (seed 1)
         quiet_trainer(max_steps=5, callbacks=[TrainedOnly()]).fit(Frozen(seed=1), data, ckpt_path=str(ckpt))
+
+
+def test_the_formats_table_on_the_page_is_the_export_table():
+    from lowrank_lit.launch.export import EXPORT_FORMATS, export_formats_markdown
+
+    assert export_formats_markdown() in (ROOT / "docs" / "artifacts.md").read_text(), "regenerate the table"
+    assert list(EXPORT_FORMATS) == ["native", "peft", "hf", "factors"]
+
+
+def test_a_format_is_registered_once_and_an_unknown_one_is_refused_naming_the_table(tmp_path):
+    from lowrank_lit.launch import export
+
+    with pytest.raises(ValueError, match="name='peft' is taken"):
+        export.register_export_format(export.EXPORT_FORMATS["peft"])
+    with pytest.raises(ArtifactError, match=r"--format: 'npz'; allowed: native, peft, hf, factors"):
+        export.export_checkpoint(tmp_path / "x.ckpt", tmp_path / "out", "npz")
+    with pytest.raises(ArtifactError, match="--targets applies to --format factors only"):
+        export.export_checkpoint(tmp_path / "x.ckpt", tmp_path / "out", "native", targets=["fc"])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.e2e
+def test_a_new_format_is_one_registration(lora_run, capsys, monkeypatch):
+    """A toy format (the changed tensors as one numpy file) added by one ``register_export_format`` call: export
+    writes it, ``lowrank load`` finds its marker and calls its loader; nothing else is edited."""
+    import numpy as np
+
+    from lowrank_lit.launch import export
+
+    monkeypatch.setattr(export, "EXPORT_FORMATS", dict(export.EXPORT_FORMATS))
+
+    def write(job):
+        changed = {k: v.numpy() for k, v in job.trained.items() if k in job.base and not torch.equal(v, job.base[k])}
+        job.out.mkdir(parents=True, exist_ok=True)
+        np.savez(job.out / "toy.npz", **changed)
+        return {"tensors": len(changed), "out": str(job.out)}
+
+    def load(folder, out):
+        print(f"toy: {len(np.load(Path(folder) / 'toy.npz').files)} tensors")
+        return 0
+
+    export.register_export_format(export.ExportFormat(
+        "toy", "the changed tensors as one .npz", write, lambda got: f"toy: {got['tensors']} tensors to {got['out']}",
+        marker="toy.npz", load=load))
+    root, run = lora_run
+    out = root / "toy"
+    assert _cli("export", "--ckpt_path", run / "checkpoints" / "last.ckpt", "--out", out, "--format", "toy") == 0
+    n = len(np.load(out / "toy.npz").files)
+    assert n >= 10 and f"toy: {n} tensors to {out}" in capsys.readouterr().out  # the 8 LoRA factors, the head, ...
+    assert _cli("load", out) == 0
+    assert f"toy: {n} tensors" in capsys.readouterr().out
+    assert "| `toy` | the changed tensors as one .npz | - | nothing | `toy.npz` |" in export.export_formats_markdown()

@@ -2,7 +2,7 @@
 
 ::
 
-    lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR [--format native|peft|hf] [--config RUN/config.yaml]
+    lowrank export --ckpt_path RUN/checkpoints/last.ckpt --out DIR [--format FORMAT] [--config RUN/config.yaml]
     lowrank load DIR [--out FILE.ckpt]
 
 ``export`` rebuilds the model the run's config describes before training (the run folder's ``config.yaml``: same
@@ -25,6 +25,10 @@ a callback's ``factorize``); this module names no layer or method.
   :func:`load_factors` rebuilds it. The targets are those the callback declares as ``rank_targets``
   (Q3R's ``targets``) unless ``--targets`` names them.
 
+Each format is one row of :data:`EXPORT_FORMATS` (:class:`ExportFormat`: its writer, the line ``export`` prints,
+the file that marks its folder for ``load`` and its loader, the options it takes, what it refuses); a new format is
+one :func:`register_export_format` call.
+
 ``load`` builds the base from the artifact's own config section, checks it (shapes, and a digest of every frozen
 weight: a different base is named by its first differing key) and applies the artifact; ``--out`` writes a
 checkpoint that ``lowrank test --config ... --ckpt_path FILE`` reads.
@@ -35,11 +39,11 @@ from __future__ import annotations
 import copy
 import json
 import sys
-import typing
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,12 +61,10 @@ from lowrank_lit.artifacts import (
 )
 from lowrank_lit.hub import portable_base
 
-__all__ = ["FORMATS", "export_checkpoint", "build_base", "load_run_artifact", "load_factors", "find_backbone",
-           "main_export", "main_load"]
+__all__ = ["ExportFormat", "ExportJob", "EXPORT_FORMATS", "register_export_format", "export_formats_markdown",
+           "export_checkpoint", "build_base", "load_run_artifact", "load_factors", "find_backbone", "main_export",
+           "main_load"]
 
-#: what ``lowrank export --format`` writes
-Format = Literal["native", "peft", "hf", "factors"]
-FORMATS: tuple[str, ...] = typing.get_args(Format)
 #: files of the ``factors`` format (a whole low-rank model: every weight differs from the base)
 FACTORS, FACTORS_META = "factors.safetensors", "factors.json"
 
@@ -239,6 +241,86 @@ def _write_hf(model: nn.Module, out: Path) -> None:
     _write_card(out, spec, "hf")
 
 
+@dataclass
+class ExportJob:
+    """What every format's writer starts from.
+
+    Attributes:
+        built: the run rebuilt from its config (:func:`~lowrank_lit.launch.build.build_from_config`), untrained.
+        trained: the checkpoint's ``state_dict``.
+        base: the untrained model's ``state_dict`` (copies).
+        meta: ``artifact.json``'s description of the run (method, config sections, backbone, source, formats).
+        out: the folder to write (empty).
+        checkpoint_bytes: the checkpoint file's size.
+        keep, targets: the values of the options the format takes (:attr:`ExportFormat.options`).
+    """
+
+    built: Any
+    trained: dict[str, torch.Tensor]
+    base: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    out: Path
+    checkpoint_bytes: int
+    keep: float | None = None
+    targets: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One export format: everything ``lowrank export`` and ``lowrank load`` know about it.
+
+    Attributes:
+        name: the ``--format`` value.
+        what: what it writes (docs/cli.md and the help).
+        write: writes ``job.out`` and returns the summary ``report`` prints.
+        report: the line ``lowrank export`` prints from the summary.
+        refuses: what it refuses, in words (the writer raises :class:`ArtifactError` naming the layer).
+        options: the ``lowrank export`` options it takes beyond the common ones (``keep``, ``targets``).
+        callbacks: whether the writer needs the config's callbacks built.
+        marker: the file that marks a folder of this format for ``lowrank load`` when it has no ``artifact.json``;
+            None: ``load`` reads the native files every other format writes too.
+        load: ``lowrank load``'s reader of such a folder: ``(folder, out) -> exit code``.
+    """
+
+    name: str
+    what: str
+    write: Callable[[ExportJob], dict[str, Any]]
+    report: Callable[[dict[str, Any]], str]
+    refuses: str = "nothing"
+    options: frozenset[str] = frozenset()
+    callbacks: bool = False
+    marker: str | None = None
+    load: Callable[[str, str | None], int] | None = None
+
+
+#: the export table, by ``--format`` name (:func:`register_export_format` adds a row)
+EXPORT_FORMATS: dict[str, ExportFormat] = {}
+
+
+def register_export_format(fmt: ExportFormat) -> ExportFormat:
+    """Add ``fmt`` to :data:`EXPORT_FORMATS`; a name given twice is refused."""
+    if fmt.name in EXPORT_FORMATS:
+        raise ValueError(f"register_export_format: name={fmt.name!r} is taken; choose another")
+    if (fmt.marker is None) != (fmt.load is None):
+        raise ValueError(f"register_export_format: {fmt.name}: marker and load come together")
+    EXPORT_FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def export_formats_markdown() -> str:
+    """The table of formats on docs/artifacts.md, from :data:`EXPORT_FORMATS` (a test compares the page with it)."""
+    rows = ["| `--format` | writes | options | refuses | `lowrank load` reads it by |", "|---|---|---|---|---|"]
+    for f in EXPORT_FORMATS.values():
+        options = ", ".join(f"`--{o}`" for o in sorted(f.options)) or "-"
+        reader = f"`{f.marker}`" if f.marker else "its `artifact.json`"
+        rows.append(f"| `{f.name}` | {f.what} | {options} | {f.refuses} | {reader} |")
+    return "\n".join(rows) + "\n"
+
+
+def _taking(option: str) -> list[str]:
+    return [f.name for f in EXPORT_FORMATS.values() if option in f.options]
+
+
 def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native", config: str | Path | None = None,
                       keep: float | None = None, targets: Sequence[str] | None = None) -> dict[str, Any]:
     """Export what the run of ``ckpt_path`` trained into the folder ``out``.
@@ -246,21 +328,27 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
     Args:
         ckpt_path: a run's checkpoint (``RUN/checkpoints/last.ckpt``).
         out: a new folder (refused if it holds files).
-        fmt: ``native``, ``peft`` or ``hf`` (see the module docstring).
+        fmt: a name of :data:`EXPORT_FORMATS` (see the module docstring).
         config: the run's config; default ``RUN/config.yaml`` beside the checkpoint folder.
         keep, targets: ``factors`` only: the share of each target's parameters kept, and the target patterns
             (default: the ``rank_targets`` a callback of the config declares, e.g. Q3R's).
 
     Returns:
-        a summary: entries, trained values, artifact and checkpoint bytes.
+        the format's summary (entries, trained values, artifact and checkpoint bytes, ...).
     """
     import lightning.pytorch as pl
 
     from lowrank_lit.checkpoint import check_readable, load_checkpoint
     from lowrank_lit.launch.build import build_from_config
 
-    if fmt not in FORMATS:
-        raise ArtifactError(f"--format: {fmt!r}; allowed: {', '.join(FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise ArtifactError(f"--format: {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
+    spec = EXPORT_FORMATS[fmt]
+    for option, value in (("keep", keep), ("targets", targets)):
+        if value is not None and value != [] and option not in spec.options:  # it would be ignored without a word
+            takers = _taking(option)
+            raise ArtifactError(f"--{option} applies to --format {' or '.join(takers)} only; drop it, or add --format "
+                                f"{takers[0]}")
     ckpt_path, out = Path(ckpt_path), Path(out)
     check_readable(ckpt_path, "--ckpt_path")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -280,9 +368,8 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
 
     from lowrank_lit.launch.checks import one_line_error
 
-    # the callbacks are built only to find the one that factorizes layers (--format factors)
     try:
-        built = build_from_config(config, verb="fit", callbacks=fmt == "factors")
+        built = build_from_config(config, verb="fit", callbacks=spec.callbacks)
     except ArgumentError as exc:
         raise ArtifactError(f"--config={str(config)!r} does not describe a training run ({one_line_error(exc)}); "
                             "give the config of the run that trained the checkpoint") from None
@@ -300,36 +387,66 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
             "source": {"checkpoint": _portable_path(ckpt_path), "global_step": ckpt.get("global_step"),
                        "config": _portable_path(config)},
             "formats": [fmt] if fmt == "native" else ["native", fmt]}
-    if fmt == "factors":
-        return _export_factors(built, ckpt["state_dict"], base, out, keep, targets, meta)
-    tensors, entries = changed_entries(ckpt["state_dict"], base)
-    save_artifact(out, tensors, entries, base, meta)
-    if fmt != "native":  # the trained weights in the model, for the ecosystem's writers
-        model.load_state_dict({**base, **{k: v for k, v in ckpt["state_dict"].items() if k in base}})
-        model.eval()
-        try:
-            with warnings.catch_warnings():  # peft looks the base's name up on the hub (offline: a warning) for its vocabulary
-                warnings.filterwarnings("ignore", message="Could not find a config file in")
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-                (_write_peft if fmt == "peft" else _write_hf)(model, out)
-        except Exception:
-            for f in out.iterdir():  # a refused format leaves no half-written folder behind
+    job = ExportJob(built, ckpt["state_dict"], base, meta, out, ckpt_path.stat().st_size, keep, targets)
+    existed = out.exists()
+    try:
+        return spec.write(job)
+    except Exception:
+        if out.is_dir():  # a refused format leaves no half-written folder behind
+            for f in out.iterdir():
                 f.unlink()
-            out.rmdir()
-            raise
+            if not existed:
+                out.rmdir()
+        raise
+
+
+def _write_native(job: ExportJob) -> dict[str, Any]:
+    """The entries training changed (safetensors + ``artifact.json``, :mod:`lowrank_lit.artifacts`)."""
+    tensors, entries = changed_entries(job.trained, job.base)
+    save_artifact(job.out, tensors, entries, job.base, job.meta)
     trained = sum(e["changed"] for e in entries.values())
-    alias = aliases(base)
-    total = sum(v.numel() for k, v in base.items() if k not in alias)
+    alias = aliases(job.base)
+    total = sum(v.numel() for k, v in job.base.items() if k not in alias)
     return {"entries": len(entries), "trained_values": trained, "base_values": total,
-            "artifact_bytes": artifact_bytes(out), "checkpoint_bytes": ckpt_path.stat().st_size, "out": str(out)}
+            "artifact_bytes": artifact_bytes(job.out), "checkpoint_bytes": job.checkpoint_bytes, "out": str(job.out)}
 
 
-def _export_factors(built: Any, trained: dict[str, torch.Tensor], base: dict[str, torch.Tensor], out: Path,
-                    keep: float | None, targets: Sequence[str] | None, meta: dict[str, Any]) -> dict[str, Any]:
+def _beside_native(writer: Callable[[nn.Module, Path], None]) -> Callable[[ExportJob], dict[str, Any]]:
+    """A format that writes the native files and, beside them, the trained model through an ecosystem writer."""
+    def write(job: ExportJob) -> dict[str, Any]:
+        summary = _write_native(job)
+        model = job.built.model
+        model.load_state_dict({**job.base, **{k: v for k, v in job.trained.items() if k in job.base}})
+        model.eval()
+        with warnings.catch_warnings():  # peft looks the base's name up on the hub (offline: a warning) for its vocabulary
+            warnings.filterwarnings("ignore", message="Could not find a config file in")
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            writer(model, job.out)
+        return {**summary, "artifact_bytes": artifact_bytes(job.out)}
+    return write
+
+
+def _report_trained(got: dict[str, Any]) -> str:
+    share = got["trained_values"] / max(got["base_values"], 1)
+    return (f"exported {got['entries']} trained tensors ({got['trained_values']:,} values, {share:.2%} of the model) "
+            f"to {got['out']}: {_size(got['artifact_bytes'])}, "
+            f"{got['artifact_bytes'] / got['checkpoint_bytes']:.2%} of the checkpoint ({_size(got['checkpoint_bytes'])})")
+
+
+def _report_factors(got: dict[str, Any]) -> str:
+    ranks = ", ".join(f"{n} {r}" for n, r in got["ranks"].items())
+    return (f"exported the truncated model ({got['trained_values']:,} parameters; ranks {ranks}) to {got['out']}: "
+            f"{_size(got['artifact_bytes'])}")
+
+
+def _write_factors(job: ExportJob) -> dict[str, Any]:
+    """The whole model truncated to two factors per target (the ``factorize`` of the config's callback)."""
     from safetensors.torch import save_file
 
     from lowrank_lit.nn.lowrank_linear import factor_ranks
 
+    built, trained, base, out, keep, targets, meta = (job.built, job.trained, job.base, job.out, job.keep, job.targets,
+                                                      job.meta)
     if keep is None:
         raise ArtifactError("--format factors needs --keep FRACTION (the share of each target's parameters kept)")
     # a callback that pulls layers towards low rank factorizes them (:mod:`lowrank_lit.nn.export`; Q3R does)
@@ -407,24 +524,19 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.3f} MiB" if n >= 2**16 else f"{n / 2**10:.1f} KiB"
 
 
-def main_export(*, ckpt_path: str, out: str, format: Format = "native", config: str | None = None,  # noqa: A002
+def main_export(*, ckpt_path: str, out: str, format: str = "native", config: str | None = None,  # noqa: A002
                 keep: Fraction | None = None, targets: list[str] | None = None) -> int:
     """Write only what a run trained (safetensors + JSON), optionally in peft's or transformers' format.
 
     Args:
         ckpt_path: the run's checkpoint, e.g. RUN/checkpoints/last.ckpt
         out: a new folder for the artifact (never overwritten)
-        format: native (default), peft, hf or factors
+        format: a name of the export table (native by default; docs/artifacts.md: what each writes and refuses)
         config: the run's config (default: config.yaml of the run folder)
         keep: --format factors: share of each target's parameters kept
         targets: --format factors: layer patterns (default: the rank_targets a callback of the config declares,
             e.g. Q3R's)
     """
-    if format != "factors" and (keep is not None or targets):  # they would be ignored without a word
-        given = "--keep" if keep is not None else "--targets"
-        print(f"lowrank export: error: {given} applies to --format factors only; drop it, or add --format factors",
-              file=sys.stderr)
-        return 2
     try:
         got = export_checkpoint(ckpt_path, out, format, config, keep, targets)
     except (ArtifactError, ValueError) as exc:
@@ -434,15 +546,7 @@ def main_export(*, ckpt_path: str, out: str, format: Format = "native", config: 
         print(f"lowrank export: error: --out={out!r}: cannot write {exc.filename!r} ({exc.strerror}); allowed: a "
               "folder you can write", file=sys.stderr)
         return 2
-    if format == "factors":
-        ranks = ", ".join(f"{n} {r}" for n, r in got["ranks"].items())
-        print(f"exported the truncated model ({got['trained_values']:,} parameters; ranks {ranks}) to {got['out']}: "
-              f"{_size(got['artifact_bytes'])}")
-        return 0
-    share = got["trained_values"] / max(got["base_values"], 1)
-    print(f"exported {got['entries']} trained tensors ({got['trained_values']:,} values, {share:.2%} of the model) "
-          f"to {got['out']}: {_size(got['artifact_bytes'])}, "
-          f"{got['artifact_bytes'] / got['checkpoint_bytes']:.2%} of the checkpoint ({_size(got['checkpoint_bytes'])})")
+    print(EXPORT_FORMATS[format].report(got))
     return 0
 
 
@@ -482,8 +586,10 @@ def main_load(artifact: str, *, out: str | None = None, no_check: bool = False) 
     if out and Path(out).exists():
         print(f"lowrank load: error: --out: {out!r} exists; choose a new file", file=sys.stderr)
         return 2
-    if (Path(artifact) / FACTORS_META).is_file() and not (Path(artifact) / META).is_file():
-        return _load_factors_main(artifact, out)
+    if not (Path(artifact) / META).is_file():  # a format that writes no native files: its own loader
+        marked = next((f for f in EXPORT_FORMATS.values() if f.marker and (Path(artifact) / f.marker).is_file()), None)
+        if marked is not None and marked.load is not None:
+            return marked.load(artifact, out)
     try:
         meta, tensors = read_artifact(artifact)  # read once: the base's config and the tensors
         model = apply_artifact(build_base(meta), meta, tensors, check_base=not no_check)
@@ -495,3 +601,21 @@ def main_load(artifact: str, *, out: str | None = None, no_check: bool = False) 
     if out:
         _save_loaded(model, out, meta.get("source", {}).get("global_step") or 0)
     return 0
+
+
+# --------------------------------------------------------------------------- the export table
+register_export_format(ExportFormat(
+    "native", "the tensors training changed (safetensors) and artifact.json: the base's config and a digest of "
+    "every frozen weight", _write_native, _report_trained))
+register_export_format(ExportFormat(
+    "peft", "the native files and peft's adapter_model.safetensors + adapter_config.json (a LoRA or a prompt on a "
+    "transformers backbone)", _beside_native(_write_peft), _report_trained,
+    refuses="layers without a peft type (routed experts, capsule prompts, asymmetric LoRA), naming the layer"))
+register_export_format(ExportFormat(
+    "hf", "the native files and the backbone with its LoRA merged, as a transformers save_pretrained folder",
+    _beside_native(_write_hf), _report_trained, refuses="adapters that cannot be merged, naming the layer"))
+register_export_format(ExportFormat(
+    "factors", "the whole model with each target Linear truncated to two factors (factors.safetensors + "
+    "factors.json)", _write_factors, _report_factors,
+    refuses="a config whose callbacks factorize nothing; a missing --keep",
+    options=frozenset({"keep", "targets"}), callbacks=True, marker=FACTORS_META, load=_load_factors_main))
