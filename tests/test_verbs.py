@@ -129,6 +129,22 @@ def test_no_module_of_the_package_builds_its_own_argparse_parser():
     assert found == []
 
 
+def test_every_study_with_a_summary_is_a_line_of_the_study_table():
+    """``lowrank summarize`` finds studies in :data:`lowrank_lit.studies.STUDIES`, not by reading files: each study
+    module's ``summary`` is listed, and each listed path is that function."""
+    import importlib
+    import pkgutil
+
+    from lowrank_lit import studies as package
+    from lowrank_lit.launch.checks import import_dotted
+
+    with_summary = {m.name for m in pkgutil.iter_modules(package.__path__)
+                    if callable(getattr(importlib.import_module(f"{package.__name__}.{m.name}"), "summary", None))}
+    assert with_summary == set(package.STUDIES), "add each study's summary to lowrank_lit/studies/__init__.py"
+    for name, path in package.STUDIES.items():
+        assert import_dotted(path) is importlib.import_module(f"{package.__name__}.{name}").summary
+
+
 def test_every_summary_options_parse():
     """`lowrank summarize <slug> --help` builds for every method with a summary and every study: the summary's
     keyword arguments become typed options beside the verb's own."""

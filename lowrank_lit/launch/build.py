@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Built", "build_component", "build_from_config"]
+__all__ = ["Built", "build_component", "parse_command", "build_from_config"]
 
 
 @dataclass
@@ -38,6 +38,13 @@ def build_component(key: str, base: type, value: Any) -> Any:
     return parser.instantiate_classes(parser.parse_object({key: value}))[key]
 
 
+def parse_command(args: Sequence[str], verb: str = "fit") -> Any:
+    """The config of ``lowrank <verb> <args>`` as the real parser reads it (every check and default), not built."""
+    from lowrank_lit.launch.lightning_cli import build_parser
+
+    return build_parser(verb).parse_args(list(args))
+
+
 def build_from_config(config: str | Path, overrides: Sequence[str] = (), verb: str = "fit", quiet: bool = False,
                       data: bool = True, callbacks: bool = True) -> Built:
     """The model (and data module, callbacks) of ``lowrank <verb> --config config overrides``.
@@ -53,13 +60,12 @@ def build_from_config(config: str | Path, overrides: Sequence[str] = (), verb: s
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lowrank_lit.launch.lightning_cli import build_parser
     from lowrank_lit.registry import project_root
 
     path = Path(config)
     if not path.is_absolute() and not path.exists() and (project_root() / path).exists():
         path = project_root() / path
-    cfg = build_parser(verb).parse_args(["--config", str(path), *overrides])
+    cfg = parse_command(["--config", str(path), *overrides], verb)
     if cfg.get("seed_everything") is not None:
         pl.seed_everything(int(cfg.seed_everything), verbose=False)
     with warnings.catch_warnings():

@@ -143,18 +143,12 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: set[int] | N
 
 def _instantiate(cfg: Any) -> tuple[pl.LightningModule, pl.LightningDataModule | None]:
     """The config's model (meta device, architecture only) and data module (on the CPU, not set up)."""
-    from jsonargparse import ArgumentParser
-
     from lowrank_lit.hub import architecture_only
-
-    def build(key: str, base: type, value: Any) -> Any:
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_subclass_arguments(base, key, fail_untyped=False, required=True)
-        return parser.instantiate_classes(parser.parse_object({key: value}))[key]
+    from lowrank_lit.launch.build import build_component
 
     with torch.device("meta"), architecture_only():
-        model = build("model", pl.LightningModule, cfg.model)
-    data = build("data", pl.LightningDataModule, cfg.data) if cfg.get("data") else None
+        model = build_component("model", pl.LightningModule, cfg.model)
+    data = build_component("data", pl.LightningDataModule, cfg.data) if cfg.get("data") else None
     return model, data
 
 
@@ -262,9 +256,9 @@ def _activations(model: pl.LightningModule, data: pl.LightningDataModule | None,
 
 def estimate(args: Sequence[str]) -> MemoryEstimate:
     """Per-GPU memory of ``lowrank fit <args>`` (a ``--config`` and any overrides) at full size."""
-    from lowrank_lit.launch.lightning_cli import build_parser
+    from lowrank_lit.launch.build import parse_command
 
-    cfg = build_parser("fit").parse_args(list(args))
+    cfg = parse_command(args)
     model, data = _instantiate(cfg)
     trainer = cfg.trainer
     precision = str(trainer.get("precision") or "32-true")

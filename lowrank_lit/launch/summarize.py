@@ -10,7 +10,6 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lowrank_lit.report import (
@@ -47,15 +46,11 @@ class Summary:
 
 
 def studies() -> dict[str, str]:
-    """The studies that span several methods (``lowrank_lit/studies/<name>.py`` with a ``summary`` function):
-    name -> dotted path of the summary function."""
-    import pkgutil
+    """The studies that span several methods (:data:`lowrank_lit.studies.STUDIES`): name -> dotted path of the
+    summary function."""
+    from lowrank_lit.studies import STUDIES
 
-    from lowrank_lit import studies as package
-
-    folder = Path(package.__path__[0])
-    return {m.name: f"{package.__name__}.{m.name}.summary" for m in pkgutil.iter_modules(package.__path__)
-            if not m.name.startswith("_") and "\ndef summary(" in (folder / f"{m.name}.py").read_text(encoding="utf-8")}
+    return dict(STUDIES)
 
 
 #: extra studies by name -> dotted path of their summary (tests add stand-ins here)
