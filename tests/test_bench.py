@@ -68,6 +68,7 @@ def test_cuda_on_a_machine_without_one_is_refused(capsys):
     assert "torch sees no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_config_bench_times_two_configs(monkeypatch):
     """A ConfigBench builds both configs as `lowrank fit` would and times their steps; the method override reaches
     the method's config only."""
