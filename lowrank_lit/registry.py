@@ -6,23 +6,28 @@ turns its runs into a result table (``lowrank summarize <slug>``)::
     @register_method("q3r", kind="Callback", paper="Q3R: quadratic reweighted rank regularizer", summary="compare")
     class Q3R(Callback): ...
 
-The registry only records metadata; it never imports heavy libraries. :func:`load_all` imports
-every module under :mod:`lowrank_lit.methods` (and the baseline) so that their decorators run;
-:func:`scan_methods` reads the same decorators from the source files without importing anything,
-which is what ``lowrank list`` uses (a test keeps the two equal).
+The registry only records metadata; it never imports heavy libraries. ``lowrank list`` reads the checked-in index
+``lowrank_lit/method_index.json`` (:func:`scan_methods`: no torch, no Lightning, no source text), which
+``python -m lowrank_lit.registry`` writes from what importing every module of the package registers
+(:func:`write_index`); a test fails, naming that command, when the two differ. :func:`load_all` imports the modules
+the index names, so that their decorators run.
 """
 
 from __future__ import annotations
 
-import ast
+import dataclasses
 import importlib
+import json
+import pkgutil
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["MethodInfo", "register_method", "registered_methods", "get_method", "load_all", "scan_methods", "KINDS"]
+__all__ = ["MethodInfo", "register_method", "registered_methods", "get_method", "load_all", "scan_methods", "KINDS",
+           "INDEX", "write_index"]
 
 #: Kinds a registered component may have (what a user imports it as), each with the base class it has
 #: (``tests/test_contract.py`` checks every registered class against it, and one behaviour per kind):
@@ -146,57 +151,41 @@ def get_method(slug: str) -> MethodInfo:
         raise KeyError(f"unknown method {slug!r}; registered: {', '.join(sorted(_REGISTRY)) or '(none)'}") from None
 
 
-def _decorator_registration(node: ast.expr, constants: dict[str, str]) -> tuple[str, str, str, str | None, str | None] | None:
-    """``(slug, kind, paper, summary, bench)`` of a ``@register_method("slug", kind=..., paper=..., summary=...)`` decorator, else None."""
-    if not isinstance(node, ast.Call):
-        return None
-    func = node.func
-    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
-    if name != "register_method":
-        return None
-
-    def value(expr: ast.expr) -> str:
-        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
-            return expr.value
-        if isinstance(expr, ast.Name) and expr.id in constants:
-            return constants[expr.id]
-        raise ValueError(f"register_method arguments must be string literals or module constants, got {ast.dump(expr)}")
-
-    args = [value(a) for a in node.args]
-    kwargs = {k.arg: value(k.value) for k in node.keywords if k.arg}
-    fields = dict(zip(("slug", "kind", "paper", "summary", "bench"), args, strict=False)) | kwargs
-    return fields["slug"], fields["kind"], fields["paper"], fields.get("summary"), fields.get("bench")
+#: the checked-in index of the registrations (``python -m lowrank_lit.registry`` writes it)
+INDEX = Path(__file__).resolve().parent / "method_index.json"
 
 
-def scan_methods(package_dir: Path | None = None) -> list[MethodInfo]:
-    """The registered methods, read from the ``@register_method`` decorators in the source files.
+def scan_methods(index: Path | None = None) -> list[MethodInfo]:
+    """The registered methods, read from the checked-in index (:data:`INDEX`) without importing any module.
 
-    Imports nothing (no torch, no Lightning), so ``lowrank list`` answers at once. Decorator
-    arguments must be string literals or module-level string constants.
+    Raises:
+        FileNotFoundError: no index (write it: ``python -m lowrank_lit.registry``).
     """
-    package_dir = package_dir or Path(__file__).resolve().parent
-    found: dict[str, MethodInfo] = {}
-    for path in sorted(package_dir.rglob("*.py")):
-        text = path.read_text()
-        if "@register_method(" not in text or path.name == "registry.py":
-            continue
-        tree = ast.parse(text, filename=str(path))
-        module = ".".join(("lowrank_lit", *path.relative_to(package_dir).with_suffix("").parts))
-        constants = {
-            t.id: n.value.value
-            for n in tree.body
-            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
-            for t in n.targets
-            if isinstance(t, ast.Name)
-        }
-        for node in tree.body:
-            if not isinstance(node, ast.ClassDef | ast.FunctionDef):
-                continue
-            for dec in node.decorator_list:
-                reg = _decorator_registration(dec, constants)
-                if reg is None:
-                    continue
-                slug, kind, paper, summary, bench = reg
-                _record(found, slug, kind, paper, f"{module}.{node.name}", f"{module}.{summary}" if summary else None,
-                        f"{module}.{bench}" if bench else None)
-    return [found[k] for k in sorted(found)]
+    path = index or INDEX
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no method index; write it with python -m lowrank_lit.registry")
+    return [MethodInfo(**row) for row in json.loads(path.read_text())]
+
+
+def import_every_module() -> list[MethodInfo]:
+    """Import every module of the package (so that every ``register_method`` runs) and return the registrations."""
+    import lowrank_lit
+
+    for info in pkgutil.walk_packages(lowrank_lit.__path__, "lowrank_lit."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    return registered_methods()
+
+
+def write_index(index: Path | None = None) -> Path:
+    """Write :data:`INDEX` from what importing every module registers."""
+    path = index or INDEX
+    rows = [dataclasses.asdict(info) for info in import_every_module()]
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    return path
+
+
+if __name__ == "__main__":  # run as a script this file is __main__; the decorators fill the imported module's table
+    from lowrank_lit import registry as _imported
+
+    print(f"wrote {_imported.write_index()} ({len(_imported.scan_methods())} methods)", file=sys.stderr)
