@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from lowrank_lit.launch.verbs import PassThrough, Typed, call, parser_for
+from lowrank_lit.launch.verbs import PassThrough, Typed, call, options_of, parser_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEN: dict = {}
@@ -155,7 +155,7 @@ def test_every_summary_options_parse():
     assert "strank" in slugs and "peft_bench" in slugs
     for slug in slugs:
         parser = parser_for(main, f"lowrank summarize {slug}", get_summary(slug).fn)
-        assert {"out", "include_debug", "roots"} <= {a.dest for a in parser._actions}
+        assert {"out", "include_debug", "roots"} <= set(options_of(parser))
     strank = parser_for(main, "lowrank summarize strank", get_summary("strank").fn)
     assert strank.parse_args(["strank", "r", "--metric", "test/mse"]).metric == "test/mse"
     assert get_summary("strank").help in strank.description  # the summary's own line in its --help

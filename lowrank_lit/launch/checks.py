@@ -426,8 +426,12 @@ _IMPORT_FAIL_RE = re.compile(r"No module named|has no attribute|cannot import|Im
 
 
 def _option_names(parser: Any) -> list[str]:
-    """Every ``--dotted.key`` a (sub)command parser accepts."""
-    return [s for action in getattr(parser, "_actions", []) for s in action.option_strings if s.startswith("--")]
+    """Every ``--dotted.key`` a (sub)command parser accepts, from its defaults (jsonargparse's public API)."""
+    try:
+        keys = parser.get_defaults().keys()
+    except Exception:  # a parser whose defaults cannot be built names no keys: no "did you mean" hint
+        return []
+    return [f"--{k}" for k in keys]
 
 
 def closest(name: str, candidates: Sequence[str], cutoff: float = 0.6) -> str | None:

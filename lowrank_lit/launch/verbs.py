@@ -24,12 +24,14 @@ import re
 import sys
 import types
 import typing
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from lowrank_lit.launch.checks import one_line_error
 
-__all__ = ["PassThrough", "Typed", "call", "parser_for"]
+__all__ = ["PassThrough", "Typed", "call", "parser_for", "options_of"]
 
 
 class _PassThrough:
@@ -78,28 +80,48 @@ def _docs(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
                                          for p in doc.params}
 
 
-def _add(parser: Any, param: inspect.Parameter, hint: Any, help_text: str) -> None:
+def _add(parser: Any, param: inspect.Parameter, hint: Any, help_text: str) -> Any:
+    """Add one parameter as an argument; returns the action ``add_argument`` made."""
     element, is_list = _element(hint)
     empty = inspect.Parameter.empty
     if param.kind is inspect.Parameter.VAR_POSITIONAL:
-        parser.add_argument(param.name, type=hint, nargs="*", default=[], help=help_text)  # a default: not "required"
-    elif param.kind is not inspect.Parameter.KEYWORD_ONLY:
+        return parser.add_argument(param.name, type=hint, nargs="*", default=[], help=help_text)  # not "required"
+    if param.kind is not inspect.Parameter.KEYWORD_ONLY:
         if param.default is empty:
-            parser.add_argument(param.name, type=element, nargs="+" if is_list else None, help=help_text)
-        else:
-            parser.add_argument(param.name, type=hint, nargs="?", default=param.default, help=help_text)
+            return parser.add_argument(param.name, type=element, nargs="+" if is_list else None, help=help_text)
+        return parser.add_argument(param.name, type=hint, nargs="?", default=param.default, help=help_text)
     else:
         flags = [f"--{param.name}"] + ([f"--{param.name.replace('_', '-')}"] if "_" in param.name else [])
         if hint is bool:
             if param.default is not False:
                 raise TypeError(f"{param.name}: a flag defaults to False (name it for what the flag turns on)")
-            parser.add_argument(*flags, dest=param.name, action="store_true", help=help_text)
-        elif is_list:  # repeatable; the default is filled in after parsing (argparse would extend it)
-            parser.add_argument(*flags, dest=param.name, type=element, nargs="+", action="extend", default=None,
-                                required=param.default is empty, help=help_text)
-        else:
-            parser.add_argument(*flags, dest=param.name, type=hint, required=param.default is empty,
-                                default=None if param.default is empty else param.default, help=help_text)
+            return parser.add_argument(*flags, dest=param.name, action="store_true", help=help_text)
+        if is_list:  # repeatable; the default is filled in after parsing (argparse would extend it)
+            return parser.add_argument(*flags, dest=param.name, type=element, nargs="+", action="extend",
+                                       default=None, required=param.default is empty, help=help_text)
+        return parser.add_argument(*flags, dest=param.name, type=hint, required=param.default is empty,
+                                   default=None if param.default is empty else param.default, help=help_text)
+
+
+@dataclass(frozen=True)
+class _Option:
+    """What the verbs need to know of one argument, kept when it is added (not read back from the parser)."""
+
+    flags: tuple[str, ...]
+    takes_value: bool
+
+    @classmethod
+    def of(cls, action: Any) -> _Option:
+        return cls(tuple(action.option_strings), action.nargs != 0)
+
+
+#: each verb parser's arguments by name, recorded by :func:`parser_for` as it adds them
+_OPTIONS: weakref.WeakKeyDictionary[Any, dict[str, _Option]] = weakref.WeakKeyDictionary()
+
+
+def options_of(parser: Any) -> dict[str, tuple[str, ...]]:
+    """The arguments of a parser :func:`parser_for` made: name -> its option strings (empty for a positional)."""
+    return {name: o.flags for name, o in _OPTIONS.get(parser, {}).items()}
 
 
 def parser_for(fn: Callable[..., Any], prog: str, options_from: Callable[..., Any] | None = None) -> Any:
@@ -114,31 +136,31 @@ def parser_for(fn: Callable[..., Any], prog: str, options_from: Callable[..., An
 
     description, helps = _docs(fn)
     parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
+    options = _OPTIONS.setdefault(parser, {})
     hints = typing.get_type_hints(fn, include_extras=True)
     for param in inspect.signature(fn).parameters.values():
         if param.kind is inspect.Parameter.VAR_KEYWORD or _marker(hints.get(param.name)) is not None:
             continue
-        _add(parser, param, hints.get(param.name, str), helps.get(param.name, ""))
+        options[param.name] = _Option.of(_add(parser, param, hints.get(param.name, str), helps.get(param.name, "")))
     if options_from is not None:
         extra_hints = typing.get_type_hints(options_from)
         extra_description, extra_helps = _docs(options_from)
         if extra_description:  # what this particular function does (a summary's first line)
             parser.description = f"{description}\n\n{extra_description.splitlines()[0]}"
-        taken = {a.dest for a in parser._actions}
         for param in inspect.signature(options_from).parameters.values():
             if param.default is inspect.Parameter.empty or param.kind is inspect.Parameter.VAR_KEYWORD \
-                    or param.name in taken:  # the verb's own arguments (a summary's ``roots`` and ``out``)
+                    or param.name in options:  # the verb's own arguments (a summary's ``roots`` and ``out``)
                 continue
             hint = extra_hints.get(param.name, type(param.default) if param.default is not None else str)
-            _add(parser, param.replace(kind=inspect.Parameter.KEYWORD_ONLY), hint,
-                 extra_helps.get(param.name, "") or f"default: {param.default}")
+            options[param.name] = _Option.of(_add(parser, param.replace(kind=inspect.Parameter.KEYWORD_ONLY), hint,
+                                                  extra_helps.get(param.name, "") or f"default: {param.default}"))
     return parser
 
 
 def _split(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """``(the verb's words, the rest)``: the rest is every option the parser does not know (with the next word as
     its value when it has no ``=``) and everything after ``--``."""
-    known = {s for a in parser._actions for s in a.option_strings}
+    known = {f for o in _OPTIONS.get(parser, {}).values() for f in o.flags} | {"-h", "--help"}
     own: list[str] = []
     rest: list[str] = []
     words = list(argv)
@@ -165,7 +187,7 @@ _NUMBER_RE = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$", re.IGNORE
 def _join_negative_numbers(parser: Any, argv: list[str]) -> list[str]:
     """``--gpu-memory -8`` as ``--gpu-memory=-8``: argparse takes a word that starts with ``-`` for an option, so a
     negative value after a space would be "expected one argument" instead of the value's own one-line refusal."""
-    takes_value = {s for a in parser._actions for s in a.option_strings if a.nargs != 0}
+    takes_value = {f for o in _OPTIONS.get(parser, {}).values() if o.takes_value for f in o.flags}
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -253,6 +275,6 @@ def _plain(value: Any) -> Any:
 def _one_line(exc: BaseException, parser: Any) -> str:
     """jsonargparse's error in one line, with the option spelled as typed (``--n_trials=0; ...``)."""
     line = one_line_error(exc, parser)
-    options = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    options = {name: flags[0] for name, flags in options_of(parser).items() if flags}
     head = line.split("=", 1)[0].split(":", 1)[0].split(";", 1)[0]
     return (options[head] + line[len(head):]) if head in options else line
