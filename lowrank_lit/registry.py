@@ -169,9 +169,7 @@ def scan_methods(index: Path | None = None) -> list[MethodInfo]:
 
 def import_every_module() -> list[MethodInfo]:
     """Import every module of the package (so that every ``register_method`` runs) and return the registrations."""
-    import lowrank_lit
-
-    for info in pkgutil.walk_packages(lowrank_lit.__path__, "lowrank_lit."):
+    for info in pkgutil.walk_packages([str(Path(__file__).resolve().parent)], "lowrank_lit."):
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
     return registered_methods()
@@ -186,6 +184,5 @@ def write_index(index: Path | None = None) -> Path:
 
 
 if __name__ == "__main__":  # run as a script this file is __main__; the decorators fill the imported module's table
-    from lowrank_lit import registry as _imported
-
+    _imported = importlib.import_module("lowrank_lit.registry")
     print(f"wrote {_imported.write_index()} ({len(_imported.scan_methods())} methods)", file=sys.stderr)
