@@ -191,8 +191,10 @@ class SeededOptimizer(torch.optim.Optimizer):
         """``sd`` (this rank's ``state_dict``) as a one-process optimizer would write it: each owned parameter's state
         from its owner, each elementwise state gathered whole. Every rank calls it (collectives)."""
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
 
+        from lowrank_lit.sharding import dtensor_api
+
+        DTensor = dtensor_api()[0]  # noqa: N806 - the class
         state = dict(sd["state"])
         index = 0
         for group in self.param_groups:
@@ -217,8 +219,10 @@ class SeededOptimizer(torch.optim.Optimizer):
         """After loading a whole state into a sharded optimizer: keep each elementwise state's local shard and the
         owned parameters' states (the others keep their step count only)."""
         import torch.distributed as dist
-        from torch.distributed.tensor import distribute_tensor
 
+        from lowrank_lit.sharding import dtensor_api
+
+        distribute_tensor = dtensor_api()[1]
         for group in self.param_groups:
             for p in group["params"]:
                 if not is_sharded(p) or p not in self.state:

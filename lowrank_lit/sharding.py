@@ -37,6 +37,7 @@ from torch import nn
 
 __all__ = [
     "ShardedStrategy", "Shardable", "shard_unit", "shard_units", "shard_module", "sharding_refusal", "is_sharded",
+    "dtensor_api",
     "full_tensor", "owners", "from_owner", "whole_matrix_update", "local_bytes", "unsharded_copy",
 ]
 
@@ -179,6 +180,11 @@ class ShardedStrategy(ModelParallelStrategy):
         if self._layer_sync is not None:  # Lightning's ModelParallelStrategy would leave it out without a word
             raise ValueError("ShardedStrategy: trainer.sync_batchnorm=true is not applied to sharded runs; allowed: false "
                              "(BatchNorm then uses each process's batch statistics, as DDP without it does)")
+        import torch.distributed.fsdp as fsdp
+
+        if not hasattr(fsdp, "fully_shard"):  # FSDP2's public API: torch 2.6 on; the rest of the package runs on 2.4
+            raise RuntimeError(f"ShardedStrategy: needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); this is "
+                               f"torch {torch.__version__}: upgrade torch, or train with DDP")
         self._data_parallel_size = self.num_nodes * self.num_processes  # every process in one data-parallel mesh
         super().setup_environment()
 
@@ -260,11 +266,19 @@ class Shardable:
 # whole-matrix math on sharded parameters
 
 
+def dtensor_api() -> tuple[Any, Any]:
+    """``(DTensor, distribute_tensor)``: public in ``torch.distributed.tensor`` from torch 2.5, under
+    ``torch.distributed._tensor`` in torch 2.4 (the lowest torch this package supports)."""
+    try:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor, distribute_tensor
+    return DTensor, distribute_tensor
+
+
 def is_sharded(t: Any) -> bool:
     """Whether ``t`` is a DTensor (a sharded parameter or gradient)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    return isinstance(t, dtensor_api()[0])
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -364,8 +378,8 @@ def whole_matrix_update(p: torch.Tensor, owner: int, update: Callable[[torch.Ten
     sequence of a one-process run whatever rank draws them.
     """
     import torch.distributed as dist
-    from torch.distributed.tensor import distribute_tensor
 
+    distribute_tensor = dtensor_api()[1]
     weight = p.full_tensor()  # type: ignore[attr-defined]
     grad = p.grad.full_tensor() if with_grad else None  # type: ignore[union-attr]
     rank = dist.get_rank()
