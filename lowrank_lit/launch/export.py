@@ -264,6 +264,12 @@ class ExportJob:
     keep: float | None = None
     targets: Sequence[str] | None = None
 
+    def trained_model(self) -> nn.Module:
+        """The rebuilt model with the checkpoint's weights loaded over its base, in eval mode."""
+        model = self.built.model
+        model.load_state_dict({**self.base, **{k: v for k, v in self.trained.items() if k in self.base}})
+        return model.eval()
+
 
 @dataclass(frozen=True)
 class ExportFormat:
@@ -415,9 +421,7 @@ def _beside_native(writer: Callable[[nn.Module, Path], None]) -> Callable[[Expor
     """A format that writes the native files and, beside them, the trained model through an ecosystem writer."""
     def write(job: ExportJob) -> dict[str, Any]:
         summary = _write_native(job)
-        model = job.built.model
-        model.load_state_dict({**job.base, **{k: v for k, v in job.trained.items() if k in job.base}})
-        model.eval()
+        model = job.trained_model()
         with warnings.catch_warnings():  # peft looks the base's name up on the hub (offline: a warning) for its vocabulary
             warnings.filterwarnings("ignore", message="Could not find a config file in")
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
@@ -445,27 +449,25 @@ def _write_factors(job: ExportJob) -> dict[str, Any]:
 
     from lowrank_lit.nn.lowrank_linear import factor_ranks
 
-    built, trained, base, out, keep, targets, meta = (job.built, job.trained, job.base, job.out, job.keep, job.targets,
-                                                      job.meta)
+    keep, out = job.keep, job.out
     if keep is None:
         raise ArtifactError("--format factors needs --keep FRACTION (the share of each target's parameters kept)")
     # a callback that pulls layers towards low rank factorizes them (:mod:`lowrank_lit.nn.export`; Q3R does)
-    owners = [cb for cb in built.callbacks if callable(getattr(cb, "factorize", None))]
+    owners = [cb for cb in job.built.callbacks if callable(getattr(cb, "factorize", None))]
     if not owners:
         raise ArtifactError("--format factors: no callback of the config factorizes layers (e.g. Q3R, which declares "
                             "rank_targets); give the config of a rank-regularised run")
-    patterns = list(targets or getattr(owners[0], "rank_targets", ()))
+    patterns = list(job.targets or getattr(owners[0], "rank_targets", ()))
     if not patterns:
         raise ArtifactError("--format factors: the config's callback declares no rank_targets; name the layers with "
                             "--targets")
-    model = built.model
-    model.load_state_dict({**base, **{k: v for k, v in trained.items() if k in base}})
-    owners[0].factorize(model.eval(), keep, patterns)
+    model = job.trained_model()
+    owners[0].factorize(model, keep, patterns)
     ranks = factor_ranks(model)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / FACTORS))
-    doc = {"format": "lowrank_lit.factors/1", **meta, "keep_fraction": keep, "targets": patterns, "ranks": ranks,
+    doc = {"format": "lowrank_lit.factors/1", **job.meta, "keep_fraction": keep, "targets": patterns, "ranks": ranks,
            "parameters": sum(p.numel() for p in model.parameters())}
     (out / FACTORS_META).write_text(json.dumps(doc, indent=1) + "\n")
     return {"entries": len(state), "trained_values": doc["parameters"], "base_values": doc["parameters"],
