@@ -27,6 +27,7 @@ reweighting) stay exact under sharding: see :class:`lowrank_lit.optim.SeededOpti
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
@@ -266,9 +267,11 @@ class Shardable:
 # whole-matrix math on sharded parameters
 
 
+@functools.cache
 def dtensor_api() -> tuple[Any, Any]:
     """``(DTensor, distribute_tensor)``: public in ``torch.distributed.tensor`` from torch 2.5, under
-    ``torch.distributed._tensor`` in torch 2.4 (the lowest torch this package supports)."""
+    ``torch.distributed._tensor`` in torch 2.4 (the lowest torch this package supports). Looked up once:
+    :func:`is_sharded` asks it for every parameter at every optimizer step."""
     try:
         from torch.distributed.tensor import DTensor, distribute_tensor
     except ImportError:  # torch 2.4
