@@ -188,6 +188,8 @@ CASES = [
                   "--keep", "0"], "--keep='0'; allowed: a number in (0, 1]", id="export-keep-0"),
     pytest.param(["export", "--ckpt_path", "runs/lope/lora/r/checkpoints/last.ckpt", "--out", "exp", "--keep", "0.5"],
                  "--keep applies to --format factors only", id="export-keep-without-factors"),
+    pytest.param(["export", "--ckpt_path", "runs/lope/lora/r/checkpoints/last.ckpt", "--out", "exp", "--format", "npz"],
+                 "--format: 'npz'; allowed: native, peft, hf, factors", id="export-unknown-format"),
     pytest.param(["convert", "vmamba", "--src", "afile", "--out", "o.pth", "--depths", "2", "0"],
                  "--depths=2 0; allowed: one integer >= 1 per stage", id="convert-zero-depth"),
     # what the run would do differently from what it says
