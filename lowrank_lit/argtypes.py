@@ -16,6 +16,10 @@ LightningCLI (jsonargparse) reads these from a class's signature:
 * :class:`Seed` (an integer in 0..2**32 - 1) and :class:`Fraction` (a number in (0, 1]) are registered the same way,
   for the numeric options of ``lowrank``'s own verbs as well as for init arguments.
 
+* :data:`PassThrough` and :data:`Typed` are the two argument types of a ``lowrank`` verb (a typed function, see
+  :mod:`lowrank_lit.launch.verbs`) that are not values: the words it hands on to ``lowrank fit``, and the words it was
+  given. A verb's module needs only these types, not the parser that reads them.
+
 Python callers that build a class directly keep the class's own check (``ValueError`` naming the argument).
 """
 
@@ -26,7 +30,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from jsonargparse.typing import register_type
 
-__all__ = ["LearningRate", "Seed", "Fraction", "SEED_MAX", "InputPath", "YOU_BRING", "YouBring", "input_path_args"]
+__all__ = ["LearningRate", "Seed", "Fraction", "SEED_MAX", "InputPath", "YOU_BRING", "YouBring", "input_path_args",
+           "PassThrough", "Typed"]
 
 
 class YouBring:
@@ -113,3 +118,17 @@ def input_path_args(cls: type) -> list[str]:
     except Exception:  # noqa: BLE001 - a class whose annotations do not resolve has none of ours
         return []
     return [name for name, hint in hints.items() if name != "return" and _marked(hint)]
+
+
+class _PassThrough:
+    """Marker: the flags a verb hands on to ``lowrank fit`` (see :data:`PassThrough`)."""
+
+
+class _Typed:
+    """Marker: the words after the verb, as given (see :data:`Typed`)."""
+
+
+#: the words a verb does not parse itself, for ``lowrank fit`` (``--trainer.max_epochs=3``; everything after ``--``)
+PassThrough = Annotated[list[str], _PassThrough]
+#: the words after the verb exactly as given, for a command line to print
+Typed = Annotated[tuple[str, ...], _Typed]

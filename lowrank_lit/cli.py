@@ -26,16 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lowrank_lit.launch.checks import (
-    LIGHTNING_COMMANDS,
-    ConfigError,
-    config_file_error,
-    config_files,
-    interrupted_message,
-    is_rank_zero,
-    one_line_error,
-    wrong_command,
-)
+from lowrank_lit.launch.checks import is_rank_zero
+from lowrank_lit.launch.config_yaml import LIGHTNING_COMMANDS, config_file_error, config_files, wrong_command
+from lowrank_lit.launch.messages import ConfigError, interrupted_message, one_line_error
 
 __all__ = ["main", "methods_markdown", "method_pages_markdown", "Command", "COMMANDS", "top_help", "commands_markdown", "LIGHTNING_COMMANDS"]
 
@@ -176,7 +169,7 @@ def cmd_list(slug: str | None = None, *, markdown: bool = False, pages: bool = F
         pages: print the README's list of method pages
     """
     from lowrank_lit import registry
-    from lowrank_lit.launch.checks import config_header
+    from lowrank_lit.launch.config_yaml import config_header
 
     if pages:
         print(method_pages_markdown(), end="")

@@ -24,10 +24,10 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["MethodInfo", "register_method", "registered_methods", "get_method", "load_all", "scan_methods", "KINDS",
-           "INDEX", "write_index"]
+           "INDEX", "write_index", "import_dotted"]
 
 #: Kinds a registered component may have (what a user imports it as), each with the base class it has
 #: (``tests/test_contract.py`` checks every registered class against it, and one behaviour per kind):
@@ -136,6 +136,13 @@ def load_all(slugs: Iterable[str] | None = None) -> None:
     modules = {info.target.rpartition(".")[0] for info in scan_methods() if wanted is None or info.slug in wanted}
     for module in sorted(modules):
         importlib.import_module(module)
+
+
+def import_dotted(path: str) -> Any:
+    """The object a dotted path names: ``"torch.optim.AdamW"`` -> the class (its module is imported); how a
+    registration's ``target``, ``summary`` and ``bench`` and a config's ``class_path`` are resolved."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def registered_methods() -> list[MethodInfo]:

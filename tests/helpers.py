@@ -27,7 +27,7 @@ def experiment_configs(parse_only: bool = False) -> list[Path]:
     rehearsal``) or ``tests/<file>.py`` (with the checkpoint that test makes). Those are parsed by the real CLI in the
     unit run (``parse_only=True`` lists them); the rest run as they are.
     """
-    from lowrank_lit.launch.checks import config_header
+    from lowrank_lit.launch.config_yaml import config_header
 
     files = sorted(p for p in CONFIGS.rglob("*.yaml") if p.relative_to(CONFIGS).parts[0] not in FRAGMENT_DIRS)
     return [p for p in files if (config_header(p).tested_by is not None) == parse_only]
@@ -35,7 +35,7 @@ def experiment_configs(parse_only: bool = False) -> list[Path]:
 
 def config_subcommand(config: Path) -> str:
     """The ``lowrank`` subcommand of a config's ``run.verb``, else ``fit``."""
-    from lowrank_lit.launch.checks import config_header
+    from lowrank_lit.launch.config_yaml import config_header
 
     return config_header(config).command or "fit"
 

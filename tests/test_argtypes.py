@@ -13,7 +13,7 @@ from jsonargparse import ArgumentParser
 
 import lowrank_lit
 from lowrank_lit.argtypes import InputPath, LearningRate, input_path_args
-from lowrank_lit.launch.checks import one_line_error
+from lowrank_lit.launch.messages import one_line_error
 
 
 class _Step:

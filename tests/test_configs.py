@@ -43,7 +43,7 @@ def test_every_config_that_cannot_run_as_it_is_names_the_test_that_runs_it(confi
     and runs this file."""
     import re
 
-    from lowrank_lit.launch.checks import config_header
+    from lowrank_lit.launch.config_yaml import config_header
     from tests.helpers import ROOT
 
     line = config_header(config).tested_by
@@ -108,7 +108,7 @@ def test_every_config_starts_with_a_comment_and_its_command_lives_in_its_run_blo
     """A config says what it runs in a comment; its command is its ``run:`` block (``lowrank list <slug>`` prints
     it), never a ``# Run:`` / ``# First:`` comment that copies it. A fragment, which has no ``run:``, shows in a
     comment the command it is added to."""
-    from lowrank_lit.launch.checks import config_header
+    from lowrank_lit.launch.config_yaml import config_header
 
     for path in [*CONFIGS.rglob("*.yaml"), *PRESET_FILES]:
         lines = path.read_text().splitlines()
@@ -125,7 +125,7 @@ def test_every_experiment_config_declares_how_it_is_run():
     runs it."""
     import yaml
 
-    from lowrank_lit.launch.checks import NEEDS, RunSpec
+    from lowrank_lit.launch.config_yaml import NEEDS, RunSpec
     from tests.helpers import ROOT
 
     allowed = set(RunSpec.__dataclass_fields__)

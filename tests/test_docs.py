@@ -124,7 +124,7 @@ def test_every_yaml_block_parses(page, line, text, tmp_path, monkeypatch):
     except yaml.YAMLError as exc:
         pytest.fail(f"{page}:{line}: the yaml block does not parse: {exc}")
     if isinstance(doc, dict) and "program" in doc:
-        from lowrank_lit.launch.sweep import load_sweep, static_check
+        from lowrank_lit.launch.sweep_spec import load_sweep, static_check
 
         monkeypatch.chdir(ROOT)
         (tmp_path / "example.yaml").write_text(text)
@@ -152,7 +152,7 @@ def _paper_slugs() -> list[str]:
 def test_method_page_starts_with_a_quick_run(slug):
     """The first section of every method page is one run a user can start now: `lowrank` commands of configs that
     exist, each with the verb its config asks for, its time on a laptop CPU and the number it prints."""
-    from lowrank_lit.launch.checks import config_header
+    from lowrank_lit.launch.config_yaml import config_header
 
     run = _quick_runs().quick_run(ROOT / "docs" / "methods" / f"{slug}.md")
     assert run.seconds > 0 and run.key

@@ -8,7 +8,7 @@ import shlex
 import pytest
 import yaml
 
-from lowrank_lit.launch.checks import appends_applied, merge_config_layers
+from lowrank_lit.launch.config_yaml import appends_applied, merge_config_layers
 from lowrank_lit.launch.matrix import GridError, cell_name, load_grid
 from tests.helpers import ROOT
 

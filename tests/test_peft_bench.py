@@ -181,7 +181,7 @@ def test_step_cost_logs_a_median_step_time_and_peak_memory(tmp_path):
 
 # ------------------------------------------------------------------------------------ sweep over configs
 def test_a_swept_config_comes_first_and_a_missing_one_is_named(tmp_path):
-    from lowrank_lit.launch.sweep import SweepError, load_sweep, overrides_to_args
+    from lowrank_lit.launch.sweep_spec import SweepError, load_sweep, overrides_to_args
 
     assert overrides_to_args({"seed_everything": 1, "config": "a.yaml"}) == ["--config=a.yaml", "--seed_everything=1"]
     spec = yaml.safe_load((ROOT / "sweeps/peft_bench.yaml").read_text())

@@ -11,7 +11,8 @@ import pytest
 import torch
 import yaml
 
-from lowrank_lit.launch.checks import ConfigError, YamlFileError, load_yaml
+from lowrank_lit.launch.config_yaml import YamlFileError, load_yaml
+from lowrank_lit.launch.messages import ConfigError
 from lowrank_lit.launch.resume_contract import (
     MAY_CHANGE,
     Change,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lowrank_lit.launch.checks import experiment_from_configs, wandb_online_allowed
+from lowrank_lit.launch.checks import wandb_online_allowed
+from lowrank_lit.launch.config_yaml import experiment_from_configs
 from lowrank_lit.launch.run_dir import resolve_run_dir, slurm_run_id
 from lowrank_lit.report import keep_previous
 

@@ -116,7 +116,7 @@ def _stack():
 def _optimizer(kind, m):
     from lowrank_lit.methods.is_lowrank import LowRankAdam
     from lowrank_lit.methods.nanoadam import NanoAdam
-    from lowrank_lit.methods.q3r import AdamQ3R, Q3RRegularizer, resolve_targets
+    from lowrank_lit.methods.q3r import AdamQ3R, Q3RHparams, Q3RRegularizer, resolve_targets
 
     mats, head = [m[i][0].weight for i in range(4)], list(m[4].parameters())
     if kind == "lowrank_importance":
@@ -130,7 +130,7 @@ def _optimizer(kind, m):
                         selector="random", seed=3)
     if kind == "nanoadam":
         return NanoAdam([{"params": mats}, {"params": head, "nano": False}], lr=1e-2, density=0.1, mask_interval=5)
-    reg = Q3RRegularizer(resolve_targets(m, ["0.0", "1.0", "2.0", "3.0"]), target_rank=0.2, lam=0.5, period=5)
+    reg = Q3RRegularizer(resolve_targets(m, ["0.0", "1.0", "2.0", "3.0"]), Q3RHparams(target_rank=0.2, lam=0.5, period=5))
     return AdamQ3R(m.parameters(), reg, lr=1e-2)
 
 

@@ -10,14 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowrank_lit.launch.sweep import (
-    TOP_LEVEL_KEYS,
-    SweepError,
-    check_keys,
-    load_sweep,
-    run_sweep,
-    static_check,
-)
+from lowrank_lit.launch.sweep_spec import SweepError, check_keys, load_sweep, static_check
+from lowrank_lit.launch.sweep_study import run_sweep
 from tests.helpers import ROOT
 
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
@@ -190,11 +184,13 @@ def test_static_check_missing_config_file(tmp_path):
 
 
 def test_top_level_keys_match_the_real_parser():
+    """The keys the static check reads without Lightning are the real parser's (written by the command named)."""
+    from lowrank_lit.launch.config_yaml import fit_keys
     from lowrank_lit.launch.lightning_cli import build_parser
 
     parser = build_parser("fit")
     real = {key.split(".")[0] for key in parser.get_defaults().keys() if key != "config"}
-    assert set(TOP_LEVEL_KEYS) == real - {"optimizer", "lr_scheduler"}
+    assert set(fit_keys()) == real, "lowrank_lit/launch/fit_keys.json is stale: python -m lowrank_lit.launch.lightning_cli"
 
 
 # ----------------------------------------------------------------------------------------- stop and continue
@@ -325,7 +321,8 @@ def test_orphaned_running_trial_is_rerun(tmp_path):
     """A trial left RUNNING by a killed worker on this host (kill -9) is recorded as interrupted and run again."""
     import optuna
 
-    from lowrank_lit.launch.sweep import default_storage, optuna_storage, suggest
+    from lowrank_lit.launch.sweep_spec import optuna_storage
+    from lowrank_lit.launch.sweep_study import default_storage, suggest
 
     path = _sweep(tmp_path, "model.init_args.optimizer.init_args.lr:\n  values: [0.001, 0.002]\n")
     runs = tmp_path / "runs"
@@ -365,7 +362,7 @@ def test_command_line_flag_on_a_swept_key_is_refused(tmp_path, flags):
 
 
 def test_command_line_flag_on_an_unswept_key_is_passed_on(tmp_path):
-    from lowrank_lit.launch.sweep import flag_clashes
+    from lowrank_lit.launch.sweep_spec import flag_clashes
 
     spec = load_sweep(_sweep(tmp_path, "trainer.max_epochs:\n  values: [1, 2]\n"))
     assert flag_clashes(spec, ["--trainer.max_steps=5", "--config", "callbacks/wandb.yaml", "--trainer.max_epochsx=1"]) == []
@@ -412,15 +409,17 @@ def test_bad_early_terminate_is_one_line_error(tmp_path):
 
 def test_trial_experiment_is_decided_before_the_trial_starts(tmp_path):
     """The sweep tells each trial its experiment (so its run directory is known before it starts), decided as the
-    CLI decides it: the last --experiment flag, else the last config file's `experiment:` key, else the config path."""
-    from lowrank_lit.launch.sweep import trial_experiment
+    CLI decides it: the last --experiment flag, else the last config file's `experiment:` key, else the config path.
+    The sweep asks the CLI's own parser (one decision, not a copy)."""
+    from lowrank_lit.launch.lightning_cli import command_experiment as trial_experiment
 
     named = tmp_path / "named.yaml"
     named.write_text("experiment: mine/x\n")
     plain = "configs/baseline/mlp_digits.yaml"
     assert trial_experiment(["fit", "--config", plain]) == "baseline/mlp_digits"
     assert trial_experiment(["fit", "--config", plain, "--config", str(named)]) == "mine/x"
-    assert trial_experiment(["fit", "--config", str(named), "--experiment", "e1", "--experiment=e2"]) == "e2"
+    assert trial_experiment(["fit", "--config", plain, "--config", str(named), "--experiment", "e1",
+                             "--experiment=e2"]) == "e2"
 
 
 # ----------------------------------------------------------------------------------------- many workers, one database

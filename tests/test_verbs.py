@@ -8,7 +8,8 @@ from typing import Literal
 
 import pytest
 
-from lowrank_lit.launch.verbs import PassThrough, Typed, call, options_of, parser_for
+from lowrank_lit.argtypes import PassThrough, Typed
+from lowrank_lit.launch.verbs import call, options_of, parser_for
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEN: dict = {}
@@ -136,7 +137,7 @@ def test_every_study_with_a_summary_is_a_line_of_the_study_table():
     import pkgutil
 
     from lowrank_lit import studies as package
-    from lowrank_lit.launch.checks import import_dotted
+    from lowrank_lit.registry import import_dotted
 
     with_summary = {m.name for m in pkgutil.iter_modules(package.__path__)
                     if callable(getattr(importlib.import_module(f"{package.__name__}.{m.name}"), "summary", None))}

@@ -17,9 +17,9 @@ from typing import Any
 
 from jsonargparse.typing import PositiveInt
 
+from lowrank_lit.argtypes import Typed
 from lowrank_lit.bench import BenchContext, BenchRow, ConfigBench, bench_table, mib, tensor_bytes
-from lowrank_lit.launch.checks import import_dotted
-from lowrank_lit.launch.verbs import Typed
+from lowrank_lit.registry import import_dotted
 
 __all__ = ["get_bench", "run_benches", "run_config_bench", "main"]
 

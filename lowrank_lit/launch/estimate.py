@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 from jsonargparse.typing import PositiveFloat
 
-from lowrank_lit.launch.verbs import PassThrough
+from lowrank_lit.argtypes import PassThrough
 
 __all__ = ["MemoryEstimate", "SavedTensors", "estimate", "main", "format_bytes", "optimizer_state_bytes"]
 
@@ -309,7 +309,7 @@ def main(*, gpu_memory: PositiveFloat = 80.0, flags: PassThrough = []) -> int:  
         gpu_memory: the GPU's memory in GiB, for the verdict line (default 80)
         flags: ``--config`` files and ``--key=value`` overrides, as for ``lowrank fit``
     """
-    from lowrank_lit.launch.checks import config_file_error, config_files
+    from lowrank_lit.launch.config_yaml import config_file_error, config_files
 
     argv = list(flags)
 

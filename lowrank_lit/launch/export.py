@@ -372,7 +372,7 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, fmt: str = "native
                             f"allowed: RUN/checkpoints/*.ckpt{hint}")
     from jsonargparse import ArgumentError
 
-    from lowrank_lit.launch.checks import one_line_error
+    from lowrank_lit.launch.messages import one_line_error
 
     try:
         built = build_from_config(config, verb="fit", callbacks=spec.callbacks)

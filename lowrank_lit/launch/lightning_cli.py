@@ -8,8 +8,11 @@ without parsing or running anything (the sweep runner checks swept values with i
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
@@ -24,22 +27,16 @@ from lowrank_lit.callbacks.config import RunConfigCallback
 from lowrank_lit.callbacks.resume import ResumeCheckpoint
 from lowrank_lit.callbacks.rng import RNGStateCheckpoint
 from lowrank_lit.launch.checks import (
-    LIGHTNING_COMMANDS,
-    ConfigError,
-    RunSpec,
     check_input_files,
     check_values,
-    experiment_from_configs,
-    first_line,
-    import_dotted,
     is_rank_zero,
-    one_line_error,
-    quiet_known_noise,
     resolve_path_templates,
     setup_error,
     stdout_is_terminal,
     wandb_online_allowed,
 )
+from lowrank_lit.launch.config_yaml import LIGHTNING_COMMANDS, RunSpec, experiment_from_configs
+from lowrank_lit.launch.messages import ConfigError, first_line, one_line_error, quiet_known_noise
 from lowrank_lit.launch.resume_contract import RESUME_CHANGES, ResumeChanges, check_resume, saved_config
 from lowrank_lit.launch.run_dir import (
     CLAIM_FILE,
@@ -51,9 +48,11 @@ from lowrank_lit.launch.run_dir import (
     resolve_run_dir,
     slurm_run_id,
 )
+from lowrank_lit.registry import import_dotted
 from lowrank_lit.report import UNFINISHED_FILE
 
-__all__ = ["LowrankCLI", "RunStopped", "AlreadyFinished", "build_parser", "run_command"]
+__all__ = ["LowrankCLI", "RunStopped", "AlreadyFinished", "build_parser", "run_command", "experiment_of",
+           "command_experiment"]
 
 CallbackT = TypeVar("CallbackT", bound=pl.Callback)
 
@@ -252,7 +251,7 @@ class LowrankCLI(LightningCLI):
         _sharding_for_the_model(cfg)
         self._templates = resolve_path_templates(cfg)  # {seed}, {torso}: filled once, here; classes get plain paths
         check_input_files(cfg)
-        experiment = cfg.experiment or experiment_from_configs(cfg.get("config"))
+        experiment = experiment_of(cfg)
         try:  # claimed before anything is written into it (a second run on a live run's directory is refused)
             run_dir = resolve_run_dir(cfg.run_root, experiment, cfg.run_id, claim=is_rank_zero())
         except RunDirError as exc:
@@ -776,3 +775,47 @@ def build_parser(subcommand: str = "fit") -> Any:
     if subcommand not in LIGHTNING_COMMANDS:
         raise ValueError(f"build_parser: subcommand={subcommand!r}; allowed: {', '.join(LIGHTNING_COMMANDS)}")
     return _ParserOnlyCLI(args=[subcommand])._parser(subcommand)
+
+
+def experiment_of(cfg: Any) -> str:
+    """The experiment a parsed command writes to (its run directory is ``<run_root>/<experiment>/<run_id>``): its
+    ``experiment`` (the last ``--experiment`` flag or ``experiment:`` key), else the name
+    :func:`~lowrank_lit.launch.config_yaml.experiment_from_configs` derives from its ``--config`` files."""
+    return str(cfg.experiment or experiment_from_configs(cfg.get("config")))
+
+
+def command_experiment(args: Sequence[str]) -> str:
+    """The experiment of a ``lowrank`` command line (``["fit", "--config", "x.yaml", ...]``), decided by the real
+    parser exactly as a run decides it (:func:`experiment_of`); the sweep names each trial's run directory with it.
+
+    Raises:
+        ConfigError: the command line does not parse (one line naming the key).
+    """
+    from jsonargparse import ArgumentError
+
+    parser = _parser_of(args[0])
+    try:
+        return experiment_of(parser.parse_args(list(args[1:])))
+    except ArgumentError as exc:
+        raise ConfigError(one_line_error(exc, parser)) from None
+
+
+@functools.cache
+def _parser_of(subcommand: str) -> Any:
+    return build_parser(subcommand)
+
+
+def write_fit_keys() -> Path:
+    """Write the top-level keys of the real ``lowrank fit`` parser to
+    :data:`~lowrank_lit.launch.config_yaml.FIT_KEYS_FILE` (what the sweep's static check reads without Lightning)."""
+    import json
+
+    from lowrank_lit.launch.config_yaml import FIT_KEYS_FILE
+
+    keys = sorted({key.split(".")[0] for key in build_parser("fit").get_defaults().keys()} - {"config"})
+    FIT_KEYS_FILE.write_text(json.dumps(keys, indent=1) + "\n")
+    return FIT_KEYS_FILE
+
+
+if __name__ == "__main__":
+    print(f"wrote {write_fit_keys()}", file=sys.stderr)

@@ -49,9 +49,8 @@ from typing import Any
 import yaml
 from jsonargparse.typing import NonNegativeInt
 
-from lowrank_lit.argtypes import Seed
-from lowrank_lit.launch.checks import YamlFileError, load_yaml, merge_config_layers
-from lowrank_lit.launch.verbs import PassThrough, Typed
+from lowrank_lit.argtypes import PassThrough, Seed, Typed
+from lowrank_lit.launch.config_yaml import YamlFileError, load_yaml, merge_config_layers
 
 __all__ = ["Grid", "GridError", "load_grid", "prepare", "check_cells", "collect", "main"]
 

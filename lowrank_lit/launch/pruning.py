@@ -15,8 +15,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lowrank_lit.launch.sweep_spec import make_pruner
-from lowrank_lit.launch.sweep_study import optuna_storage
+from lowrank_lit.launch.sweep_spec import make_pruner, optuna_storage
 
 __all__ = ["SweepPruning"]
 

@@ -110,7 +110,7 @@ def _may_change(key: str) -> bool:
 @functools.cache
 def _observer_classes() -> tuple[type, ...]:
     """The classes of :data:`OBSERVERS` that import here."""
-    from lowrank_lit.launch.checks import import_dotted
+    from lowrank_lit.registry import import_dotted
 
     found = []
     for path in OBSERVERS:
@@ -122,7 +122,7 @@ def _observer_classes() -> tuple[type, ...]:
 
 
 def _is_observer(class_path: Any) -> bool:
-    from lowrank_lit.launch.checks import import_dotted
+    from lowrank_lit.registry import import_dotted
 
     if not isinstance(class_path, str):
         return False
@@ -204,7 +204,7 @@ def saved_config(ckpt_path: str | os.PathLike) -> tuple[Path | None, dict[str, A
     """
     import yaml
 
-    from lowrank_lit.launch.checks import ConfigError
+    from lowrank_lit.launch.messages import ConfigError
 
     path = saved_config_path(ckpt_path)
     if path is None:
@@ -260,7 +260,7 @@ def check_resume(ckpt_path: str, new: dict[str, Any], *, own_run: bool, mode: st
     Raises:
         ConfigError: one line listing each differing key with the checkpoint's and the new value.
     """
-    from lowrank_lit.launch.checks import ConfigError
+    from lowrank_lit.launch.messages import ConfigError
 
     if mode not in RESUME_CHANGES:
         raise ConfigError(f"--resume_changes={mode!r}; allowed: {', '.join(RESUME_CHANGES)}")

@@ -27,8 +27,8 @@ from typing import Literal
 
 from jsonargparse.typing import PositiveInt
 
+from lowrank_lit.argtypes import PassThrough, Typed
 from lowrank_lit.launch.sweep_study import default_storage, sweep_folder
-from lowrank_lit.launch.verbs import PassThrough, Typed
 
 __all__ = ["render_script", "main"]
 
@@ -125,7 +125,7 @@ def _sweep_configs(sweep: str | None) -> list[str]:
         return []
     import yaml
 
-    from lowrank_lit.launch.checks import config_files
+    from lowrank_lit.launch.config_yaml import config_files
 
     return config_files([str(a) for a in (yaml.safe_load(Path(sweep).read_text()) or {}).get("command") or []])
 
@@ -188,7 +188,7 @@ def main(*, config: list[str] | None = None, sweep: str | None = None, array: Po
         print("lowrank submit: error: pass either --config FILE (a run) or --sweep FILE --array K (sweep workers)",
               file=sys.stderr)
         return 2
-    from lowrank_lit.launch.checks import experiment_from_configs
+    from lowrank_lit.launch.config_yaml import experiment_from_configs
 
     if sweep:
         name = study_name or Path(sweep).stem

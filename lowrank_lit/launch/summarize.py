@@ -77,7 +77,7 @@ def get_summary(slug: str) -> Summary:
 
 def _resolve_summary(slug: str) -> Summary:
     from lowrank_lit import registry
-    from lowrank_lit.launch.checks import import_dotted
+    from lowrank_lit.registry import import_dotted
 
     methods = {m.slug: m for m in registry.scan_methods()}
     info = methods.get(slug)

@@ -36,7 +36,8 @@ Several workers (processes or SLURM array tasks) share one ``--storage`` (an sql
 ``.journal`` file) and split the trials; a grid point is claimed by the first trial that asks for it.
 
 The verb is here; the sweep file is read and checked in :mod:`~lowrank_lit.launch.sweep_spec`, a trial runs in
-:mod:`~lowrank_lit.launch.sweep_trial` and the study in :mod:`~lowrank_lit.launch.sweep_study` (all re-exported here).
+:mod:`~lowrank_lit.launch.sweep_trial` and the study in :mod:`~lowrank_lit.launch.sweep_study`; what
+:mod:`~lowrank_lit.launch.matrix` runs a grid with is named here too.
 """
 
 from __future__ import annotations
@@ -48,38 +49,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lowrank_lit.argtypes import Seed
+from lowrank_lit.argtypes import PassThrough, Seed, Typed
 from lowrank_lit.launch.sweep_spec import (
-    CONFIG_KEY,
-    TOP_LEVEL_KEYS,
     SweepError,
     SweepSpec,
     check_keys,
     describe_param,
     flag_clashes,
-    format_value,
     load_sweep,
-    make_pruner,
-    overrides_to_args,
     static_check,
 )
-from lowrank_lit.launch.sweep_study import (
-    SweepStopped,
-    best_config,
-    default_storage,
-    optuna_storage,
-    run_sweep,
-    suggest,
-    summary_table,
-    sweep_folder,
-)
-from lowrank_lit.launch.sweep_trial import TrialResult, run_trial, trial_experiment
-from lowrank_lit.launch.verbs import PassThrough, Typed
+from lowrank_lit.launch.sweep_study import SweepStopped, best_config, run_sweep, summary_table, sweep_folder
 
-__all__ = ["SweepSpec", "SweepError", "SweepStopped", "TrialResult", "CONFIG_KEY", "TOP_LEVEL_KEYS", "load_sweep",
-           "check_keys", "static_check", "flag_clashes", "format_value", "overrides_to_args", "make_pruner", "suggest",
-           "run_sweep", "run_trial", "trial_experiment", "best_config", "summary_table", "sweep_folder", "default_storage",
-           "optuna_storage", "main"]
+__all__ = ["SweepError", "SweepStopped", "load_sweep", "flag_clashes", "run_sweep", "main"]
+
 
 def main(sweep_file: str, *, n_trials: int | None = None, storage: str | None = None, study_name: str | None = None,
          run_root: str = "runs", seed: Seed | None = None, best_config: str | None = None, no_wandb: bool = False,

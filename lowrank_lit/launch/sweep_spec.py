@@ -11,10 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowrank_lit.launch.checks import YamlFileError, appends_applied, load_yaml, merge_config_layers
+from lowrank_lit.launch.config_yaml import (
+    YamlFileError,
+    appends_applied,
+    fit_keys,
+    load_yaml,
+    merge_config_layers,
+)
 
-__all__ = ["METHODS", "GOALS", "DISTRIBUTIONS", "ARGS_MACRO", "CONFIG_KEY", "SweepError", "SweepSpec", "load_sweep",
-           "make_pruner", "format_value", "overrides_to_args", "TOP_LEVEL_KEYS", "static_check", "check_keys",
+__all__ = ["optuna_storage", "METHODS", "GOALS", "DISTRIBUTIONS", "ARGS_MACRO", "CONFIG_KEY", "SweepError", "SweepSpec", "load_sweep",
+           "make_pruner", "format_value", "overrides_to_args",  "static_check", "check_keys",
            "flag_clashes", "describe_param", "param_choices"]
 
 METHODS = ("grid", "random", "bayes")
@@ -237,13 +243,6 @@ def overrides_to_args(overrides: dict[str, Any]) -> list[str]:
     return [f"--{k}={format_value(v)}" for k, v in ordered]
 
 
-#: top-level keys of ``lowrank fit`` (tests/test_sweeps.py keeps this equal to the real parser's)
-TOP_LEVEL_KEYS = (
-    "seed_everything", "trainer", "model", "data", "ckpt_path", "experiment", "run_root", "run_id",
-    "test_after_fit", "checkpoint_every_n_steps", "weights_only", "run", "resume_changes",
-)
-
-
 def static_check(spec: SweepSpec) -> list[str]:
     """Check the sweep against its config files without importing Lightning, torch or any method.
 
@@ -255,7 +254,7 @@ def static_check(spec: SweepSpec) -> list[str]:
     Raises:
         SweepError: a missing config file, an unknown top-level key, a near-miss of a configured key.
     """
-    from lowrank_lit.launch.checks import closest
+    from lowrank_lit.launch.messages import closest
 
     files = [spec.fit_args[i + 1] for i, a in enumerate(spec.fit_args[:-1]) if a in ("--config", "-c")]
     composed: dict[str, Any] = {}
@@ -271,9 +270,9 @@ def static_check(spec: SweepSpec) -> list[str]:
         if key == CONFIG_KEY:
             continue  # files checked by load_sweep; their keys by check_keys (the real parser)
         parts = key.split(".")
-        if parts[0] not in TOP_LEVEL_KEYS:
-            match = closest(parts[0], TOP_LEVEL_KEYS)
-            hint = f"; did you mean {match}?" if match else f"; allowed: {', '.join(TOP_LEVEL_KEYS)}"
+        if parts[0] not in fit_keys():
+            match = closest(parts[0], fit_keys())
+            hint = f"; did you mean {match}?" if match else f"; allowed: {', '.join(fit_keys())}"
             raise _fail(spec.path, f"parameters.{key}: {parts[0]!r} is not a lowrank fit key{hint}")
         node: Any = appends_applied(composed)
         for depth, part in enumerate(parts):
@@ -300,8 +299,8 @@ def check_keys(spec: SweepSpec) -> None:
     """
     from jsonargparse import ArgumentError
 
-    from lowrank_lit.launch.checks import one_line_error
     from lowrank_lit.launch.lightning_cli import build_parser
+    from lowrank_lit.launch.messages import one_line_error
 
     parser = build_parser(spec.fit_args[0])
     for override in spec.corner_overrides():
@@ -329,3 +328,26 @@ def flag_clashes(spec: SweepSpec, extra_args: Sequence[str]) -> list[tuple[str, 
             if flag == key or flag.startswith(key + ".") or key.startswith(flag + "."):
                 clashes.append((flag, key))
     return clashes
+
+
+def optuna_storage(storage: str | None) -> Any:
+    """An optuna storage: a journal file (the default; safe on NFS), or a database URL (``sqlite:///x.db``,
+    ``postgresql://user@host:port/db`` with the ``postgres`` extra) for many workers on many hosts."""
+    if storage is None:
+        return None
+    if storage.startswith(("postgresql://", "postgresql+psycopg2://", "postgres://")):
+        try:
+            import psycopg2  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--storage={storage!r} needs the PostgreSQL driver: pip install 'lowrank-lit[postgres]' "
+                             "(psycopg2-binary)") from None
+        import optuna
+
+        scheme, rest = storage.split("://", 1)
+        return optuna.storages.RDBStorage(f"postgresql+psycopg2://{rest}", engine_kwargs={"pool_pre_ping": True})
+    if "://" in storage:
+        return storage
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.storages.JournalStorage(JournalFileBackend(storage))

@@ -20,6 +20,7 @@ from lowrank_lit.launch.sweep_spec import (
     format_value,
     load_sweep,
     make_pruner,
+    optuna_storage,
     overrides_to_args,
     param_choices,
 )
@@ -282,6 +283,8 @@ def run_sweep(
     import numpy as np
     import optuna
 
+    from lowrank_lit.launch.lightning_cli import command_experiment
+
     spec = sweep_file if isinstance(sweep_file, SweepSpec) else load_sweep(sweep_file)
     if check:
         check_keys(spec)
@@ -358,7 +361,8 @@ def run_sweep(
                 with _heartbeat(study, trial):
                     res = run_trial(spec, trial.number, params, study_name=study_name, run_root=run_root, wandb=wandb,
                                     extra_args=list(extra_args or []), log_dir=sweep_folder(run_root, study_name) / "logs",
-                                    resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop, prune=prune)
+                                    resume_run_id=trial.user_attrs.get("resume_run_id"), stop=stop, prune=prune,
+                                    experiment_of=command_experiment)
                 with lock:
                     record(trial, res)
         except BaseException as exc:  # noqa: BLE001 - handed to the calling thread
@@ -380,29 +384,6 @@ def run_sweep(
         if stop.name is not None:
             raise SweepStopped(stop.name, study, results)
     return study, results
-
-
-def optuna_storage(storage: str | None) -> Any:
-    """An optuna storage: a journal file (the default; safe on NFS), or a database URL (``sqlite:///x.db``,
-    ``postgresql://user@host:port/db`` with the ``postgres`` extra) for many workers on many hosts."""
-    if storage is None:
-        return None
-    if storage.startswith(("postgresql://", "postgresql+psycopg2://", "postgres://")):
-        try:
-            import psycopg2  # noqa: F401
-        except ImportError:
-            raise ValueError(f"--storage={storage!r} needs the PostgreSQL driver: pip install 'lowrank-lit[postgres]' "
-                             "(psycopg2-binary)") from None
-        import optuna
-
-        scheme, rest = storage.split("://", 1)
-        return optuna.storages.RDBStorage(f"postgresql+psycopg2://{rest}", engine_kwargs={"pool_pre_ping": True})
-    if "://" in storage:
-        return storage
-    import optuna
-    from optuna.storages.journal import JournalFileBackend
-
-    return optuna.storages.JournalStorage(JournalFileBackend(storage))
 
 
 def _trial_line(res: TrialResult, metric: str) -> str:

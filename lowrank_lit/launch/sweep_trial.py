@@ -10,18 +10,15 @@ import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from lowrank_lit.launch.checks import config_files, experiment_from_configs
 from lowrank_lit.launch.sweep_spec import CONFIG_KEY, SweepSpec, overrides_to_args
 from lowrank_lit.report import read_metric
 
-__all__ = ["TrialResult", "run_trial", "trial_experiment", "StopRelay"]
+__all__ = ["TrialResult", "run_trial", "StopRelay"]
 
 @dataclass
 class TrialResult:
@@ -67,11 +64,14 @@ class StopRelay:
 
 def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_name: str, run_root: Path,
               wandb: bool, extra_args: list[str], log_dir: Path, resume_run_id: str | None = None,
-              stop: StopRelay | None = None, prune: dict[str, Any] | None = None) -> TrialResult:
+              stop: StopRelay | None = None, prune: dict[str, Any] | None = None,
+              experiment_of: Callable[[Sequence[str]], str]) -> TrialResult:
     """Run one ``lowrank fit`` subprocess and read its objective.
 
     ``resume_run_id`` continues that run directory from its ``last.ckpt`` (an interrupted trial run again).
     With ``stop``, a signal to the sweep is passed on to the trial; the result is then ``INTERRUPTED``.
+    ``experiment_of`` names the experiment of the trial's command line (``lowrank fit ...``) as the CLI names it
+    (:func:`lowrank_lit.launch.lightning_cli.command_experiment`): its run directory is fixed before it starts.
     With ``prune`` (storage, study, trial id, metric, early_terminate), the trial reports the metric to the study at
     every validation and stops when the pruner says so (:class:`lowrank_lit.launch.pruning.SweepPruning`).
     """
@@ -82,7 +82,10 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
     layered = {k: v for k, v in params.items() if k == CONFIG_KEY}  # a swept config file, then the command line's
     rest = {k: v for k, v in params.items() if k != CONFIG_KEY}  # own flags, then the other swept keys
     args += [*overrides_to_args(layered), *extra_args, *overrides_to_args(rest)]
-    experiment = trial_experiment(args)
+    try:
+        experiment = experiment_of(args[3:])  # after "python -m lowrank_lit"
+    except Exception as exc:  # noqa: BLE001 - a trial whose command does not parse fails; the sweep goes on
+        return TrialResult(number, params, "FAIL", None, None, f"{exc}")
     run_dir = run_root / experiment / run_id  # fixed before the trial starts: the CLI is told all three
     args += ["--run_root", str(run_root), "--experiment", experiment, "--run_id", run_id]
     if prune is not None:  # one more callback, given last so that its init_args flags reach it
@@ -120,26 +123,6 @@ def run_trial(spec: SweepSpec, number: int, params: dict[str, Any], *, study_nam
     if math.isnan(value):
         return TrialResult(number, params, "FAIL", None, where, f"{spec.metric} is NaN")
     return TrialResult(number, params, "COMPLETE", value, where)
-
-
-def trial_experiment(args: Sequence[str]) -> str:
-    """The experiment a ``lowrank fit`` command line writes to, as the CLI decides it: the last ``--experiment`` flag,
-    else the last ``experiment:`` key of its config files, else the name :func:`experiment_from_configs` derives from
-    them. The sweep passes it to every trial, so each trial's run directory is known before it starts."""
-    flags = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
-             if a.split("=", 1)[0] == "--experiment" and ("=" in a or i + 1 < len(args))]
-    if flags:
-        return flags[-1]
-    files = config_files(args)
-    keys = []
-    for f in files:
-        try:
-            data = yaml.safe_load(Path(f).read_text())
-        except (OSError, yaml.YAMLError):
-            continue
-        if isinstance(data, dict) and data.get("experiment"):
-            keys.append(str(data["experiment"]))
-    return keys[-1] if keys else experiment_from_configs(files)
 
 
 def _preset(name: str) -> Path:

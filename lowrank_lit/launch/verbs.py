@@ -10,9 +10,11 @@ types check the values and write the error, as they do for ``fit``: ``Literal`` 
 * a keyword-only parameter is an option ``--name`` (spelled ``--name-with-dashes`` too); a ``bool`` is a flag
   (default False); a list-typed one takes one or more words and may be repeated (``--config a.yaml --config b.yaml``);
 * the Args section of the docstring is the help of each argument, its first paragraph the verb's description;
-* :data:`PassThrough`: the words the verb does not know (``--trainer.max_epochs=3``, or everything after ``--``),
-  passed on to ``lowrank fit``; an unknown option without ``=`` takes the next word as its value;
-* :data:`Typed`: the words after the verb, as given (for a "continue with" hint or a page's command line);
+* :data:`~lowrank_lit.argtypes.PassThrough`: the words the verb does not know (``--trainer.max_epochs=3``, or
+  everything after ``--``), passed on to ``lowrank fit``; an unknown option without ``=`` takes the next word as its
+  value;
+* :data:`~lowrank_lit.argtypes.Typed`: the words after the verb, as given (for a "continue with" hint or a page's
+  command line);
 * ``**options`` with ``options_from`` (a callable of the first positional value, returning a function): that
   function's keyword arguments with defaults become options too (``lowrank summarize <slug>``: the summary's).
 """
@@ -27,25 +29,16 @@ import typing
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from lowrank_lit.launch.checks import one_line_error
+from lowrank_lit.argtypes import PassThrough, Typed
+from lowrank_lit.launch.messages import one_line_error
 
-__all__ = ["PassThrough", "Typed", "call", "parser_for", "options_of"]
-
-
-class _PassThrough:
-    """Marker: the flags a verb hands on to ``lowrank fit`` (see :data:`PassThrough`)."""
+__all__ = ["call", "parser_for", "options_of"]
 
 
-class _Typed:
-    """Marker: the words after the verb, as given (see :data:`Typed`)."""
-
-
-#: the words a verb does not parse itself, for ``lowrank fit`` (``--trainer.max_epochs=3``; everything after ``--``)
-PassThrough = Annotated[list[str], _PassThrough]
-#: the words after the verb exactly as given, for a command line to print
-Typed = Annotated[tuple[str, ...], _Typed]
+#: the marks of the two argument types that are not values (``Annotated`` metadata)
+_PassThrough, _Typed = typing.get_args(PassThrough)[1], typing.get_args(Typed)[1]
 
 _LISTS = (list, tuple, Sequence, typing.Sequence)
 

@@ -37,7 +37,6 @@ schedule does not shift it). ``target_rank`` follows the official code: a float 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -162,12 +161,15 @@ class Q3RHparams:
     """Q3R's hyperparameters, validated once here for the callback and the regularizer alike.
 
     Attributes:
-        target_rank: float in (0, 1) (fraction of max(d1, d2)) or int >= 1 (see the module docstring).
-        lam: penalty weight lambda >= 0.
-        period: optimizer steps between refreshes T >= 1.
-        eps_schedule: one of :data:`EPS_SCHEDULES`.
-        eps_decay_steps: length of the ``linear`` schedule, >= 1.
-        eps_min: end point of the ``linear`` schedule, > 0.
+        target_rank: rank target r: a float in (0, 1) (fraction of max(d1, d2)) or an int >= 1 (see the module
+            docstring). Default: 0.1.
+        lam: penalty weight lambda >= 0. Default: 0.1.
+        period: optimizer steps between operator refreshes T >= 1. Default: 5.
+        eps_schedule: one of :data:`EPS_SCHEDULES`: ``default`` (eps = min(eps, sigma_{r+1})), ``linear`` (geometric
+            decay from sigma_{r+1} to ``eps_min`` over ``eps_decay_steps``), ``constant`` (sigma_{r+1} of the first
+            refresh) or ``exploration`` (sigma_{r+1} at every refresh). Default: ``default``.
+        eps_decay_steps: length of the ``linear`` schedule in optimizer steps, >= 1. Default: 10000.
+        eps_min: end point of the ``linear`` schedule, > 0. Default: 1e-5.
     """
 
     target_rank: float = 0.1
@@ -199,30 +201,17 @@ class Q3RRegularizer:
 
     Args:
         targets: the matrices (see :func:`resolve_targets`).
-        target_rank: rank target r (float in (0, 1) or int >= 1, see the module docstring). Default: 0.1.
-        lam: penalty weight lambda >= 0. Default: 0.1.
-        period: optimizer steps between operator refreshes (T), >= 1. Default: 5.
-        eps_schedule: ``default`` (eps = min(eps, sigma_{r+1})), ``linear`` (geometric decay from
-            sigma_{r+1} to ``eps_min`` over ``eps_decay_steps``), ``constant`` (sigma_{r+1} of the first
-            refresh) or ``exploration`` (sigma_{r+1} at every refresh). Default: ``default``.
-        eps_decay_steps: length of the ``linear`` schedule in optimizer steps. Default: 10000.
-        eps_min: end point of the ``linear`` schedule. Default: 1e-5.
+        hparams: rank target, penalty weight, refresh period and epsilon schedule (:class:`Q3RHparams`, validated
+            there; its defaults are the paper's). ``Q3RRegularizer(targets, Q3RHparams(target_rank=2, lam=0.5))``.
 
     Raises:
-        ValueError: bad ``lam``, ``period``, ``eps_schedule`` or a ``target_rank`` without sigma_{r+1}.
+        ValueError: a ``target_rank`` without sigma_{r+1} for one of the targets.
     """
 
-    def __init__(
-        self,
-        targets: list[Q3RTarget],
-        target_rank: float = 0.1,
-        lam: float = 0.1,
-        period: int = 5,
-        eps_schedule: str = "default",
-        eps_decay_steps: int = 10000,
-        eps_min: float = 1e-5,
-    ) -> None:
-        self.hparams = hp = Q3RHparams(target_rank, lam, period, eps_schedule, eps_decay_steps, eps_min)
+    def __init__(self, targets: list[Q3RTarget], hparams: Q3RHparams | None = None) -> None:
+        self.hparams = hp = Q3RHparams() if hparams is None else hparams
+        if not isinstance(hp, Q3RHparams):
+            raise TypeError(f"Q3RRegularizer: hparams={hp!r}; allowed: a Q3RHparams (or None for the defaults)")
         self.targets = targets
         self.lam = float(hp.lam)
         self.period = hp.period
@@ -417,24 +406,27 @@ class Q3R(Callback):
     Args:
         targets: module-name patterns of ``pl_module`` (fnmatch); ``name[n]`` splits the rows into
             n slices regularized separately (``backbone.blocks.*.attn.qkv[3]`` for q, k, v).
-        target_rank: float in (0, 1) (fraction of max(d1, d2)) or int >= 1. Default: 0.1.
-        lam: penalty weight lambda. Default: 0.1 (paper; the official CLI default is 0.01).
-        period: optimizer steps between refreshes T. Default: 5.
-        eps_schedule: ``default``, ``linear``, ``constant`` or ``exploration``. Default: ``default``.
-        eps_decay_steps: length of the ``linear`` schedule. Default: 10000.
-        eps_min: end point of the ``linear`` schedule. Default: 1e-5.
+        target_rank: float in (0, 1) (fraction of max(d1, d2)) or int >= 1.
+        lam: penalty weight lambda (the paper's 0.1; the official CLI default is 0.01).
+        period: optimizer steps between refreshes T.
+        eps_schedule: ``default``, ``linear``, ``constant`` or ``exploration``.
+        eps_decay_steps: length of the ``linear`` schedule.
+        eps_min: end point of the ``linear`` schedule.
         log_stats: log the per-target statistics at each refresh. Default: True.
+
+    The six hyperparameters are :class:`Q3RHparams`'s (its defaults, its checks), spelled out here so that each is
+    a config key of its own (``--trainer.callbacks.init_args.lam=0.05``).
     """
 
     def __init__(
         self,
         targets: list[str],
-        target_rank: float = 0.1,
-        lam: float = 0.1,
-        period: int = 5,
-        eps_schedule: str = "default",
-        eps_decay_steps: int = 10000,
-        eps_min: float = 1e-5,
+        target_rank: float = Q3RHparams.target_rank,
+        lam: float = Q3RHparams.lam,
+        period: int = Q3RHparams.period,
+        eps_schedule: str = Q3RHparams.eps_schedule,
+        eps_decay_steps: int = Q3RHparams.eps_decay_steps,
+        eps_min: float = Q3RHparams.eps_min,
         log_stats: bool = True,
     ) -> None:
         super().__init__()
@@ -463,7 +455,7 @@ class Q3R(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.regularizer is not None:
             return
-        self.regularizer = Q3RRegularizer(resolve_targets(pl_module, self.patterns), **dataclasses.asdict(self.hparams))
+        self.regularizer = Q3RRegularizer(resolve_targets(pl_module, self.patterns), self.hparams)
         if self._pending_state is not None:
             self.regularizer.load_state_dict(self._pending_state)
             self._pending_state = None

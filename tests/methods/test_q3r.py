@@ -12,6 +12,7 @@ from torch import nn
 from lowrank_lit.methods.q3r import (
     Q3R,
     AdamQ3R,
+    Q3RHparams,
     Q3RRegularizer,
     resolve_targets,
     truncate,
@@ -25,7 +26,7 @@ def _one(W: torch.Tensor, rank=2, lam=1.0, **kw) -> tuple[Q3RRegularizer, nn.Mod
     m = nn.Sequential(nn.Linear(W.shape[1], W.shape[0], bias=False))
     with torch.no_grad():
         m[0].weight.copy_(W)
-    reg = Q3RRegularizer(resolve_targets(m, ["0"]), target_rank=rank, lam=lam, **kw)
+    reg = Q3RRegularizer(resolve_targets(m, ["0"]), Q3RHparams(target_rank=rank, lam=lam, **kw))
     reg.refresh()
     return reg, m
 
@@ -139,7 +140,7 @@ def test_fused_slices_are_isolated():
     assert [t.name for t in targets] == ["0[0]", "0[1]", "0[2]"]
     with torch.no_grad():
         qkv[0].weight[6:12] *= 10  # k is much larger than q and v
-    reg = Q3RRegularizer(targets[:2], target_rank=2, lam=1.0)  # regularize q and k only
+    reg = Q3RRegularizer(targets[:2], Q3RHparams(target_rank=2, lam=1.0))  # regularize q and k only
     reg.refresh()
     assert targets[0].eps != targets[1].eps  # each slice has its own epsilon
     before = qkv[0].weight.detach().clone()
@@ -165,12 +166,12 @@ def test_lam_zero_equals_adam_and_callback_equals_adamq3r():
 
     m0, m1, m2, m3 = (copy.deepcopy(base) for _ in range(4))
     adam = run(m0, torch.optim.Adam(m0.parameters(), lr=1e-2))
-    zero = run(m1, AdamQ3R(m1.parameters(), Q3RRegularizer(resolve_targets(m1, ["0"]), 2, lam=0.0), lr=1e-2))
+    zero = run(m1, AdamQ3R(m1.parameters(), Q3RRegularizer(resolve_targets(m1, ["0"]), Q3RHparams(2, lam=0.0)), lr=1e-2))
     for a, b in zip(adam, zero, strict=True):
         assert torch.equal(a, b)
-    paper = run(m2, AdamQ3R(m2.parameters(), Q3RRegularizer(resolve_targets(m2, ["0"]), 2, lam=0.5), lr=1e-2))
+    paper = run(m2, AdamQ3R(m2.parameters(), Q3RRegularizer(resolve_targets(m2, ["0"]), Q3RHparams(2, lam=0.5)), lr=1e-2))
     manual = run(m3, torch.optim.Adam(m3.parameters(), lr=1e-2),
-                 Q3RRegularizer(resolve_targets(m3, ["0"]), 2, lam=0.5))
+                 Q3RRegularizer(resolve_targets(m3, ["0"]), Q3RHparams(2, lam=0.5)))
     for a, b in zip(paper, manual, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(paper[0], adam[0])  # the penalty did act
@@ -192,7 +193,7 @@ def test_callback_matches_adamq3r_in_lightning(tmp_path):
     cb = Q3R(targets=["backbone.net.0"], target_rank=2, lam=0.5, period=2, log_stats=False)
     trainer = quiet_trainer(max_epochs=2, callbacks=[cb], default_root_dir=tmp_path)
     trainer.fit(model, TensorDataModule(train=(x, y), batch_size=16, shuffle=False))
-    reg = Q3RRegularizer(resolve_targets(reference, ["net.0"]), 2, lam=0.5, period=2)
+    reg = Q3RRegularizer(resolve_targets(reference, ["net.0"]), Q3RHparams(2, lam=0.5, period=2))
     opt = AdamQ3R(reference.parameters(), reg, lr=1e-2)
     for _ in range(2):
         for i in range(0, 96, 16):
@@ -207,11 +208,11 @@ def test_callback_matches_adamq3r_in_lightning(tmp_path):
 def test_callback_state_round_trip():
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(6, 8))
-    reg = Q3RRegularizer(resolve_targets(model, ["0"]), 2, lam=0.3)
+    reg = Q3RRegularizer(resolve_targets(model, ["0"]), Q3RHparams(2, lam=0.3))
     for _ in range(7):
         reg.step(lambda p: 0.01)
     state = reg.state_dict()
-    fresh = Q3RRegularizer(resolve_targets(model, ["0"]), 2, lam=0.3)
+    fresh = Q3RRegularizer(resolve_targets(model, ["0"]), Q3RHparams(2, lam=0.3))
     fresh.load_state_dict(state)
     assert fresh.steps == 7 and fresh.targets[0].eps == reg.targets[0].eps
     torch.testing.assert_close(fresh.targets[0].U, reg.targets[0].U)
@@ -251,7 +252,7 @@ def test_bad_regularizer_arguments(kw, needle):
     model = nn.Sequential(nn.Linear(6, 6))
     args = {"target_rank": 2, **kw}
     with pytest.raises(ValueError) as exc:
-        Q3RRegularizer(resolve_targets(model, ["0"]), **args)
+        Q3RRegularizer(resolve_targets(model, ["0"]), Q3RHparams(**args))
     assert needle in str(exc.value)
 
 
@@ -265,7 +266,7 @@ def test_bad_targets_and_weights():
         resolve_targets(model, ["0[3]"])
     with pytest.raises(ValueError, match="overlap"):
         resolve_targets(model, ["0[2]", "0[2]"])
-    reg = Q3RRegularizer(resolve_targets(model, ["0"]), 2)
+    reg = Q3RRegularizer(resolve_targets(model, ["0"]), Q3RHparams(2))
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite weights in '0'"):

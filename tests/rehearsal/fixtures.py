@@ -28,7 +28,7 @@ def header_commands(config: Path) -> dict[str, list[str]]:
     A documented command starts on a ``# <Label>: lowrank <subcommand> ...`` line and continues over the following
     comment lines that start with ``--`` (or after a trailing backslash). Returns the argument lists after ``lowrank``.
     """
-    from lowrank_lit.launch.checks import config_header
+    from lowrank_lit.launch.config_yaml import config_header
 
     lines = []
     for line in config.read_text().splitlines():
