@@ -20,7 +20,7 @@ from timing import recorded  # benchmarks/timing.py (the script folder is on sys
 
 from lowrank_lit.data.compositional import FAMILIES
 from lowrank_lit.report import markdown_table
-from lowrank_lit.studies.peft_bench import fine_tune, linear_probe
+from lowrank_lit.studies.peft_suite import fine_tune, linear_probe
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ CODEBOOKS = ("integer", "symmetric")
 
 
 def gaussian_table() -> list[str]:
-    from lowrank_lit.methods.glvq import quantize_group
+    from lowrank_lit.nn.glvq import quantize_group
 
     W = torch.randn(256, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     H = torch.eye(32, dtype=torch.float64)

@@ -32,7 +32,7 @@ from timing import median_time, recorded
 from torch import nn
 
 from lowrank_lit.bench import tensor_bytes
-from lowrank_lit.methods.glvq import GLVQLinear, quantize_linear, rtn_quantize
+from lowrank_lit.nn.glvq import GLVQLinear, quantize_linear, rtn_quantize
 
 
 def main() -> None:

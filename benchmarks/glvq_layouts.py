@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from timing import recorded, wall_times  # benchmarks/timing.py (the script folder is on sys.path)
 
-from lowrank_lit.methods.glvq import decode_groups
+from lowrank_lit.nn.glvq import decode_groups
 
 
 def best(fn: Callable[[], Any], repeats: int) -> float:

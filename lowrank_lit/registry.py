@@ -6,11 +6,17 @@ turns its runs into a result table (``lowrank summarize <slug>``)::
     @register_method("q3r", kind="Callback", paper="Q3R: quadratic reweighted rank regularizer", summary="compare")
     class Q3R(Callback): ...
 
-The registry only records metadata; it never imports heavy libraries. ``lowrank list`` reads the checked-in index
-``lowrank_lit/method_index.json`` (:func:`scan_methods`: no torch, no Lightning, no source text), which
-``python -m lowrank_lit.registry`` writes from what importing every module of the package registers
-(:func:`write_index`); a test fails, naming that command, when the two differ. :func:`load_all` imports the modules
-the index names, so that their decorators run.
+A study that spans several methods registers its summary the same way, in its own module (``lowrank summarize
+<name>``)::
+
+    @register_study("peft_suite")
+    def summary(roots, out=None): ...
+
+The registry only records metadata; it never imports heavy libraries. ``lowrank list`` and ``lowrank summarize``
+read the checked-in index ``lowrank_lit/index.json`` (:func:`scan_methods`, :func:`scan_studies`: no torch, no
+Lightning, no source text), which ``python -m lowrank_lit.registry`` writes from what importing every module of the
+package registers (:func:`write_index`); a test fails, naming that command, when the two differ. :func:`load_all`
+imports the modules the index names, so that their decorators run.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = ["MethodInfo", "register_method", "registered_methods", "get_method", "load_all", "scan_methods", "KINDS",
-           "INDEX", "write_index", "import_dotted"]
+           "INDEX", "write_index", "import_dotted", "register_study", "registered_studies", "scan_studies"]
 
 #: Kinds a registered component may have (what a user imports it as), each with the base class it has
 #: (``tests/test_contract.py`` checks every registered class against it, and one behaviour per kind):
@@ -43,6 +49,7 @@ KINDS = ("LightningModule", "Callback", "Optimizer", "Loss", "Layer", "TTAMethod
 
 _SLUG_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,37 @@ def register_method(slug: str, kind: str, paper: str, summary: str | None = None
     return decorator
 
 
+#: the registered studies: name -> dotted path of the summary function
+_STUDIES: dict[str, str] = {}
+
+
+def register_study(name: str) -> Callable[[F], F]:
+    """Function decorator that registers a study's summary (``fn(roots, out=None, **options) -> markdown``, its
+    docstring's first line is its help) under ``name``: ``lowrank summarize <name>`` runs it. One call, in the study's
+    own module, is all a new study needs (then ``python -m lowrank_lit.registry`` rewrites the index).
+
+    Raises:
+        ValueError: ``name`` is not snake_case, or is a study or method registered to another function.
+    """
+    if not _SLUG_RE.match(name):
+        raise ValueError(f"register_study: name={name!r} must be snake_case ([a-z][a-z0-9_]*)")
+
+    def decorator(fn: F) -> F:
+        target = f"{fn.__module__}.{fn.__qualname__}"
+        if _STUDIES.get(name, target) != target or name in _REGISTRY:
+            raise ValueError(f"register_study: {name!r} is already registered to "
+                             f"{_STUDIES.get(name) or _REGISTRY[name].target}")
+        _STUDIES[name] = target
+        return fn
+
+    return decorator
+
+
+def registered_studies() -> dict[str, str]:
+    """The registered studies, name -> dotted path of the summary, sorted by name."""
+    return dict(sorted(_STUDIES.items()))
+
+
 def _record(table: dict[str, MethodInfo], slug: str, kind: str, paper: str, target: str,
             summary: str | None = None, bench: str | None = None) -> None:
     """Enter one registration into ``table`` (registering the same object again is a no-op).
@@ -158,8 +196,15 @@ def get_method(slug: str) -> MethodInfo:
         raise KeyError(f"unknown method {slug!r}; registered: {', '.join(sorted(_REGISTRY)) or '(none)'}") from None
 
 
-#: the checked-in index of the registrations (``python -m lowrank_lit.registry`` writes it)
-INDEX = Path(__file__).resolve().parent / "method_index.json"
+#: the checked-in index of the registrations, methods and studies (``python -m lowrank_lit.registry`` writes it)
+INDEX = Path(__file__).resolve().parent / "index.json"
+
+
+def _read_index(index: Path | None) -> dict[str, Any]:
+    path = index or INDEX
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no index of the registrations; write it with python -m lowrank_lit.registry")
+    return dict(json.loads(path.read_text()))
 
 
 def scan_methods(index: Path | None = None) -> list[MethodInfo]:
@@ -168,14 +213,18 @@ def scan_methods(index: Path | None = None) -> list[MethodInfo]:
     Raises:
         FileNotFoundError: no index (write it: ``python -m lowrank_lit.registry``).
     """
-    path = index or INDEX
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no method index; write it with python -m lowrank_lit.registry")
-    return [MethodInfo(**row) for row in json.loads(path.read_text())]
+    return [MethodInfo(**row) for row in _read_index(index)["methods"]]
+
+
+def scan_studies(index: Path | None = None) -> dict[str, str]:
+    """The registered studies (name -> dotted path of the summary), read from the checked-in index (:data:`INDEX`)
+    without importing any module."""
+    return dict(_read_index(index)["studies"])
 
 
 def import_every_module() -> list[MethodInfo]:
-    """Import every module of the package (so that every ``register_method`` runs) and return the registrations."""
+    """Import every module of the package (so that every ``register_method`` and ``register_study`` runs) and return
+    the methods (:func:`registered_studies` has the studies)."""
     for info in pkgutil.walk_packages([str(Path(__file__).resolve().parent)], "lowrank_lit."):
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
@@ -186,10 +235,11 @@ def write_index(index: Path | None = None) -> Path:
     """Write :data:`INDEX` from what importing every module registers."""
     path = index or INDEX
     rows = [dataclasses.asdict(info) for info in import_every_module()]
-    path.write_text(json.dumps(rows, indent=1) + "\n")
+    path.write_text(json.dumps({"methods": rows, "studies": registered_studies()}, indent=1) + "\n")
     return path
 
 
 if __name__ == "__main__":  # run as a script this file is __main__; the decorators fill the imported module's table
     _imported = importlib.import_module("lowrank_lit.registry")
-    print(f"wrote {_imported.write_index()} ({len(_imported.scan_methods())} methods)", file=sys.stderr)
+    print(f"wrote {_imported.write_index()} ({len(_imported.scan_methods())} methods, "
+          f"{len(_imported.scan_studies())} studies)", file=sys.stderr)

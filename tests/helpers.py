@@ -156,17 +156,17 @@ def writing_trainer(run_dir: Any, **overrides: Any) -> Any:
     return quiet_trainer(**kwargs)
 
 
-def peft_bench_runs(names: tuple[str, ...], root: Path, seeds: tuple[int, ...] = (0, 1, 2)) -> dict[str, list[dict[str, float]]]:
-    """The last metrics of the PEFT benchmark's cells ``names`` x ``seeds`` (``configs/peft_bench/<name>.yaml``).
+def peft_suite_runs(names: tuple[str, ...], root: Path, seeds: tuple[int, ...] = (0, 1, 2)) -> dict[str, list[dict[str, float]]]:
+    """The last metrics of the PEFT suite's cells ``names`` x ``seeds`` (``configs/peft_suite/<name>.yaml``).
 
-    Cells already finished under ``$LOWRANK_PEFT_BENCH_RUNS`` (a finished ``lowrank sweep sweeps/peft_bench.yaml``,
+    Cells already finished under ``$LOWRANK_PEFT_SUITE_RUNS`` (a finished ``lowrank sweep sweeps/peft_suite.yaml``,
     e.g. the nightly's run root) are read from there; the others run here under ``root``.
     """
     from lowrank_lit.report import read_runs
-    from lowrank_lit.studies.peft_bench import method_of
+    from lowrank_lit.studies.peft_suite import method_of
 
     def finished() -> dict[tuple[str, int], dict[str, float]]:
-        roots = [r for r in (os.environ.get("LOWRANK_PEFT_BENCH_RUNS"), str(root)) if r and Path(r).is_dir()]
+        roots = [r for r in (os.environ.get("LOWRANK_PEFT_SUITE_RUNS"), str(root)) if r and Path(r).is_dir()]
         found = {}
         for run in read_runs(roots, "metrics.csv", required=False) if roots else []:
             if "test/acc" in run.metrics:  # read_runs leaves debug runs out
@@ -177,7 +177,7 @@ def peft_bench_runs(names: tuple[str, ...], root: Path, seeds: tuple[int, ...] =
     for name in names:
         for seed in seeds:
             if (name, seed) not in have:
-                assert run_cli("fit", "--config", CONFIGS / "peft_bench" / f"{name}.yaml", f"--seed_everything={seed}",
+                assert run_cli("fit", "--config", CONFIGS / "peft_suite" / f"{name}.yaml", f"--seed_everything={seed}",
                                "--trainer.enable_progress_bar=false", run_root=root) == 0
     have = finished()
     return {name: [have[name, seed] for seed in seeds] for name in names}

@@ -100,7 +100,7 @@ CASES = [
                  "model.init_args.method.init_args.affinity='cosine'; allowed: rbf, knn, linear", id="lame-affinity"),
     pytest.param(["test", "--config", str(CONFIGS / "glvq" / "mlp_digits_2bit.yaml"), "--trainer.callbacks.init_args.codebook=e8"],
                  "trainer.callbacks.init_args.codebook='e8'; allowed: integer, symmetric", id="glvq-codebook"),
-    pytest.param(["fit", "--config", str(CONFIGS / "peft_bench" / "lope_noisy_noisyonly.yaml"),
+    pytest.param(["fit", "--config", str(CONFIGS / "peft_suite" / "lope_noisy_noisyonly.yaml"),
                   "--trainer.callbacks.init_args.stage1_inputs=clean"],
                  "stage1_inputs='clean'; allowed: original_and_noisy, noisy_only", id="lope-stage1-inputs"),
     # checkpoints

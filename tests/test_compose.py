@@ -13,7 +13,7 @@ from tests.helpers import ROOT, run_cli
 
 
 def _quantized(bits: int = 2) -> tuple[nn.Linear, nn.Module, torch.Tensor]:
-    from lowrank_lit.methods.glvq import quantize_linear
+    from lowrank_lit.nn.glvq import quantize_linear
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
@@ -42,7 +42,8 @@ def test_lora_on_a_glvq_base_starts_as_the_quantized_layer_and_keeps_its_codes()
 
 
 def test_merge_requantize_folds_the_adapter_and_quantizes_again():
-    from lowrank_lit.methods.glvq import GLVQLinear, merge_requantize
+    from lowrank_lit.nn.glvq import GLVQLinear
+    from lowrank_lit.studies.compress_adapt_merge import merge_requantize
 
     _, q, X = _quantized(bits=3)
     adapted = LoRALinear(q, r=4, alpha=8.0)

@@ -129,7 +129,7 @@ def test_must_show_frozen_features_fail():
     1.1 % on order and agreement). ``python benchmarks/compositional_ceiling.py --methods head`` prints the same
     table (~1.5 min)."""
     from lowrank_lit.stats import expect_verdict
-    from lowrank_lit.studies.peft_bench import linear_probe
+    from lowrank_lit.studies.peft_suite import linear_probe
 
     probe = [linear_probe(seed) for seed in (0, 1, 2)]
     hardest = sorted(FAMILIES, key=lambda f: _mean(probe, f))[:2]
@@ -146,7 +146,7 @@ def test_must_show_fine_tuning_solves_it():
     above the bar, and three seeds leave an interval of about +-5.6 points).
     ``python benchmarks/compositional_ceiling.py --methods fine_tune`` prints the same table (~40 min)."""
     from lowrank_lit.stats import expect_verdict
-    from lowrank_lit.studies.peft_bench import fine_tune
+    from lowrank_lit.studies.peft_suite import fine_tune
 
     tuned = [fine_tune(seed) for seed in (0, 1, 2)]
     expect_verdict("holds", [t["overall"] for t in tuned], margin=0.95, delta=0.01, claim="fine-tuning >= 95 % overall")

@@ -53,11 +53,12 @@ def test_ci_runs_the_readme_test_command():
     assert out.strip() == _block_after("quickstart:test")
 
 
-def test_the_method_index_is_what_importing_every_module_registers():
+def test_the_index_is_what_importing_every_module_registers():
     """`lowrank list` reads the checked-in index; it must say what importing every module of the package registers
     (a registration anywhere, with computed arguments too, is found by importing, never by reading source text)."""
     from lowrank_lit import registry
 
     indexed = registry.scan_methods()
-    assert indexed == registry.import_every_module(), "the method index is stale: python -m lowrank_lit.registry"
+    assert indexed == registry.import_every_module(), "the index is stale: python -m lowrank_lit.registry"
+    assert registry.scan_studies() == registry.registered_studies(), "the index is stale: python -m lowrank_lit.registry"
     assert len(indexed) == 20 and indexed[0].slug == "baseline"

@@ -169,9 +169,9 @@ def test_import_strings_go_down_the_package_order():
 
 
 def test_import_string_finder_finds_them():
-    src = 'X = {"a": "lowrank_lit.studies.peft_bench.summary"}\ny = "lowrank_lit.cli:main"\nz = "see lowrank_lit docs"\n'
+    src = 'X = {"a": "lowrank_lit.studies.peft_suite.summary"}\ny = "lowrank_lit.cli:main"\nz = "see lowrank_lit docs"\n'
     src += 'w = "lowrank_lit.methods."'
-    assert import_strings(src) == [(1, "lowrank_lit.studies.peft_bench.summary"), (2, "lowrank_lit.cli")]
+    assert import_strings(src) == [(1, "lowrank_lit.studies.peft_suite.summary"), (2, "lowrank_lit.cli")]
 
 
 def test_the_design_page_names_every_package():

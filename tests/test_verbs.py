@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -130,20 +131,45 @@ def test_no_module_of_the_package_builds_its_own_argparse_parser():
     assert found == []
 
 
-def test_every_study_with_a_summary_is_a_line_of_the_study_table():
-    """``lowrank summarize`` finds studies in :data:`lowrank_lit.studies.STUDIES`, not by reading files: each study
-    module's ``summary`` is listed, and each listed path is that function."""
+def test_every_study_with_a_summary_is_registered():
+    """``lowrank summarize`` finds studies through their registration (``@register_study``), not by reading files:
+    each study module's ``summary`` is registered, and each registered path is that function."""
     import importlib
     import pkgutil
 
+    from lowrank_lit import registry
     from lowrank_lit import studies as package
-    from lowrank_lit.registry import import_dotted
 
-    with_summary = {m.name for m in pkgutil.iter_modules(package.__path__)
-                    if callable(getattr(importlib.import_module(f"{package.__name__}.{m.name}"), "summary", None))}
-    assert with_summary == set(package.STUDIES), "add each study's summary to lowrank_lit/studies/__init__.py"
-    for name, path in package.STUDIES.items():
-        assert import_dotted(path) is importlib.import_module(f"{package.__name__}.{name}").summary
+    modules = {m.name: importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)}
+    summaries = {f"{mod.__name__}.summary" for mod in modules.values() if callable(getattr(mod, "summary", None))}
+    assert summaries == set(registry.registered_studies().values()), "register each study's summary: @register_study"
+    for path in registry.registered_studies().values():
+        assert registry.import_dotted(path).__module__.startswith(package.__name__ + ".")
+
+
+def test_a_new_study_is_one_call_in_its_own_file(tmp_path, monkeypatch):
+    """A study module with one ``@register_study`` line is found by ``lowrank summarize`` once the index is rewritten
+    (``python -m lowrank_lit.registry``): nothing else is edited."""
+    import importlib
+
+    from lowrank_lit import registry
+    from lowrank_lit.launch import summarize
+
+    (tmp_path / "toy_study.py").write_text(
+        "from lowrank_lit.registry import register_study\n\n\n"
+        "@register_study(\"toy\")\n"
+        "def summary(roots, out=None):\n"
+        "    \"\"\"Toy runs: one line per root.\"\"\"\n"
+        "    return \"\\n\".join(roots)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_STUDIES", dict(registry._STUDIES))  # the toy leaves no registration behind
+    monkeypatch.setattr(registry, "INDEX", tmp_path / "index.json")
+    importlib.import_module("toy_study")
+    registry.write_index()
+    assert registry.scan_studies()["toy"] == "toy_study.summary"
+    found = summarize.get_summary("toy")
+    assert found.help == "Toy runs: one line per root." and found.fn(["a", "b"]) == "a\nb"
+    monkeypatch.delitem(sys.modules, "toy_study")
 
 
 def test_every_summary_options_parse():
@@ -153,7 +179,7 @@ def test_every_summary_options_parse():
     from lowrank_lit.launch.summarize import get_summary, main, studies
 
     slugs = [m.slug for m in registry.scan_methods() if m.summary] + list(studies())
-    assert "strank" in slugs and "peft_bench" in slugs
+    assert "strank" in slugs and "peft_suite" in slugs
     for slug in slugs:
         parser = parser_for(main, f"lowrank summarize {slug}", get_summary(slug).fn)
         assert {"out", "include_debug", "roots"} <= set(options_of(parser))

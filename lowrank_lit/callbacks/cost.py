@@ -1,7 +1,7 @@
 """The cost of a run's training steps: median step time and peak memory, logged once at the end of training.
 
 Compose it with ``--trainer.callbacks+=lowrank_lit.callbacks.StepCost`` (or ``callbacks+:`` in a config); the
-PEFT benchmark configs do, so ``lowrank summarize peft_bench`` can show each method's step time as a ratio to
+PEFT suite configs do, so ``lowrank summarize peft_suite`` can show each method's step time as a ratio to
 prompt tuning measured in the same sweep, and its peak memory.
 """
 

@@ -46,11 +46,11 @@ class Summary:
 
 
 def studies() -> dict[str, str]:
-    """The studies that span several methods (:data:`lowrank_lit.studies.STUDIES`): name -> dotted path of the
-    summary function."""
-    from lowrank_lit.studies import STUDIES
+    """The studies that span several methods, from the checked-in index (:func:`lowrank_lit.registry.scan_studies`;
+    no study is imported): name -> dotted path of the summary function."""
+    from lowrank_lit.registry import scan_studies
 
-    return dict(STUDIES)
+    return scan_studies()
 
 
 #: extra studies by name -> dotted path of their summary (tests add stand-ins here)
@@ -108,7 +108,7 @@ def main(slug: str, roots: list[str], *, out: str | None = None, include_debug: 
     ``lowrank summarize <slug> --help`` lists the method's own options too.
 
     Args:
-        slug: a method with a summary, or a study (peft_bench, prompt_runs, optimizer_bench)
+        slug: a method with a summary, or a study (peft_suite, prompt_runs, optimizer_bench)
         roots: run directories, or folders holding them
         out: also write the figure to this file (PNG)
         include_debug: also use debug runs (fast_dev_run, overfit_batches, limit_train_batches), left out by default

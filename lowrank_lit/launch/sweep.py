@@ -15,7 +15,7 @@ Each trial is a ``lowrank fit`` subprocess with the trial's overrides as ``--key
 (exactly what W&B's ``${args}`` macro passes), its own run directory and, unless ``--no-wandb``,
 an offline W&B run grouped by the study name. A swept ``config`` key layers whole config files on the
 command's (``--config=<file>``, first among the overrides, so the other swept keys still win): one sweep can
-then compare methods that differ in more than one key (``sweeps/peft_bench.yaml``). The objective is the sweep's ``metric.name`` read
+then compare methods that differ in more than one key (``sweeps/peft_suite.yaml``). The objective is the sweep's ``metric.name`` read
 from the trial's ``metrics.csv`` (its last logged value, as W&B's run summary). A trial that
 crashes is recorded as failed and the sweep goes on.
 

@@ -353,5 +353,5 @@ def bench(ctx: Any) -> list[Any]:
                         "configs/lope/lope.yaml", "configs/lope/lora.yaml",
                         "reported", method_overrides=inference_only, verb="test", steps=8, quick_steps=3),
             ConfigBench("lope", "our LoRA training step (lowrank_lit.nn.lora, r = 8)", "HF peft LoRA step",
-                        "configs/peft_bench/lora.yaml", "configs/peft_bench/peft_lora.yaml",
+                        "configs/peft_suite/lora.yaml", "configs/peft_suite/peft_lora.yaml",
                         "peer library: the same forward to 1e-6 (tests/test_lora.py); reported")]

@@ -128,5 +128,5 @@ def bench(ctx: Any) -> list[Any]:
                         "configs/pt_moe/templated_ptmoe.yaml", "configs/pt_moe/templated_pt.yaml",
                         "paper: fewer parameters than PT at a similar cost (reported)"),
             ConfigBench("pt_moe", "our prompt tuning step (SoftPrompt)", "HF peft PromptTuning step",
-                        "configs/peft_bench/pt.yaml", "configs/peft_bench/peft_pt.yaml",
+                        "configs/peft_suite/pt.yaml", "configs/peft_suite/peft_pt.yaml",
                         "peer library: the same forward to 1e-6 (tested); reported")]

@@ -55,7 +55,7 @@ class LoRALinear(nn.Module):
     """``W0 x + (alpha / r) B A x`` around a frozen ``nn.Linear`` (or a Linear-like quantized layer, see
     :func:`is_linear_like`: its codes stay frozen, the adapter trains in float on top; ``merge`` needs a float
     ``nn.Linear``, a quantized base is merged by dequantizing and quantizing again, e.g.
-    :func:`lowrank_lit.methods.glvq.merge_requantize`).
+    :func:`lowrank_lit.studies.compress_adapt_merge.merge_requantize`).
 
     Args:
         base: the layer to adapt (its parameters are frozen).

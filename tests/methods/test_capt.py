@@ -233,10 +233,10 @@ CAPT_CELLS = ("capt", "deep_pt", "ptv2", "capt_instance", "head", "pt")
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """CaPT and its baselines on the PEFT benchmark, seeds 0-2 (``$LOWRANK_PEFT_BENCH_RUNS`` reuses a sweep's)."""
-    from tests.helpers import peft_bench_runs
+    """CaPT and its baselines on the PEFT suite, seeds 0-2 (``$LOWRANK_PEFT_SUITE_RUNS`` reuses a sweep's)."""
+    from tests.helpers import peft_suite_runs
 
-    return peft_bench_runs(CAPT_CELLS, tmp_path_factory.mktemp("peft_bench"))
+    return peft_suite_runs(CAPT_CELLS, tmp_path_factory.mktemp("peft_suite"))
 
 
 def _per_seed(res: dict[str, list[dict[str, float]]], name: str, key: str = "test/acc") -> list[float]:
@@ -245,11 +245,11 @@ def _per_seed(res: dict[str, list[dict[str, float]]], name: str, key: str = "tes
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "does not hold; PEFT benchmark, seeds 0-2 (docs/peft_bench.md): CaPT 69.2 (70.1 / 68.8 / 68.7) against deep PT "
+    "does not hold; PEFT suite, seeds 0-2 (docs/peft_suite.md): CaPT 69.2 (70.1 / 68.8 / 68.7) against deep PT "
     "74.8 (75.7 / 76.6 / 72.2), difference -5.6 points, 95 % interval [-11.0, -0.3]; CaPT stays at chance on "
     "agreement (50.0) where deep PT reaches 62.7"))
 def test_must_show_capt_beats_deep_pt(bench):
-    """The paper's claim on the PEFT benchmark (3 seeds): CaPT >= deep prompt tuning with one token per layer."""
+    """The paper's claim on the PEFT suite (3 seeds): CaPT >= deep prompt tuning with one token per layer."""
     from lowrank_lit.stats import expect_verdict
 
     expect_verdict("holds", _per_seed(bench, "capt"), _per_seed(bench, "deep_pt"), delta=0.01, claim="CaPT >= deep PT")
@@ -257,7 +257,7 @@ def test_must_show_capt_beats_deep_pt(bench):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "does not hold; PEFT benchmark, seeds 0-2 (docs/peft_bench.md): CaPT 69.2 +- 0.8 against P-tuning v2 87.1 +- 0.9 "
+    "does not hold; PEFT suite, seeds 0-2 (docs/peft_suite.md): CaPT 69.2 +- 0.8 against P-tuning v2 87.1 +- 0.9 "
     "(18 points below, not 2; the interval lies below -13); P-tuning v2 solves parity and agreement (96.8, 99.5), "
     "CaPT does not (80.7, 50.0)"))
 def test_must_show_capt_near_ptv2_with_a_quarter_of_its_parameters(bench):
@@ -283,7 +283,7 @@ def test_must_show_capt_instance_only_beats_head_only(bench):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "does not hold; PEFT benchmark, seeds 0-2 (docs/peft_bench.md): CaPT's capsule gets 0.216 of the real tokens' "
+    "does not hold; PEFT suite, seeds 0-2 (docs/peft_suite.md): CaPT's capsule gets 0.216 of the real tokens' "
     "attention (0.221 / 0.215 / 0.211), PT's largest slot 0.318 (0.320 / 0.288 / 0.345): difference -0.102, "
     "95 % interval [-0.178, -0.026]"))
 def test_must_show_capt_anchor_share(bench):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lowrank_lit.methods.glvq import (
-    GLVQ,
+from lowrank_lit.methods.glvq import GLVQ
+from lowrank_lit.nn.glvq import (
     GLVQLinear,
     _cholesky_init,
     _decode,
@@ -406,7 +406,7 @@ def test_batched_float32_decode_matches_the_float64_reference(mu, offset):
     """GLVQLinear decodes all groups with one batched matmul in float32 (with no companded group, the scales and the
     codebook offset folded into it); it must equal the per-group float64 reference to float32 rounding, with and
     without companding and the half-step offset."""
-    from lowrank_lit.methods.glvq import GLVQLinear, decode_groups
+    from lowrank_lit.nn.glvq import GLVQLinear, decode_groups
 
     torch.manual_seed(0)
     layer = GLVQLinear(in_features=96, out_features=40, group_size=32, dim=8)
@@ -431,7 +431,7 @@ def test_batched_float32_decode_matches_the_float64_reference(mu, offset):
 
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_packed_codes_round_trip_at_b_bits_per_code(bits):
-    from lowrank_lit.methods.glvq import pack_codes, unpack_codes
+    from lowrank_lit.nn.glvq import pack_codes, unpack_codes
 
     g = torch.Generator().manual_seed(bits)
     codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (3, 8, 13), generator=g).to(torch.int8)  # 312 codes
@@ -442,7 +442,7 @@ def test_packed_codes_round_trip_at_b_bits_per_code(bits):
 
 def test_packed_layout_is_pinned():
     """2-bit codes -2, -1, 0, 1 are stored as 0, 1, 2, 3 in bits 0-1, 2-3, 4-5, 6-7 of a byte: 0b11100100."""
-    from lowrank_lit.methods.glvq import pack_codes
+    from lowrank_lit.nn.glvq import pack_codes
 
     packed = pack_codes(torch.tensor([-2, -1, 0, 1, 1, 1, 1, 1], dtype=torch.int8), 2)
     assert packed.tolist() == [0b11100100, 0xFF]
@@ -451,7 +451,7 @@ def test_packed_layout_is_pinned():
 
 
 def _quantized_layer(compand: bool, bits: int = 2):
-    from lowrank_lit.methods.glvq import quantize_linear
+    from lowrank_lit.nn.glvq import quantize_linear
 
     torch.manual_seed(0)
     lin = nn.Linear(128, 48)
@@ -461,7 +461,7 @@ def _quantized_layer(compand: bool, bits: int = 2):
 
 @pytest.mark.parametrize("mixed", [False, True])
 def test_compact_mode_equals_the_cached_mode_and_keeps_no_dense_weight(mixed):
-    from lowrank_lit.methods.glvq import GLVQLinear
+    from lowrank_lit.nn.glvq import GLVQLinear
 
     layer = _quantized_layer(False)
     if mixed:  # SDBA's N-1 / N / N+1 bits: groups of different widths in one packed buffer
@@ -481,7 +481,7 @@ def test_compact_mode_equals_the_cached_mode_and_keeps_no_dense_weight(mixed):
 
 def test_compact_layer_holds_about_b_bits_per_weight():
     from lowrank_lit.bench import tensor_bytes
-    from lowrank_lit.methods.glvq import GLVQLinear
+    from lowrank_lit.nn.glvq import GLVQLinear
 
     layer = GLVQLinear(512, 512, 128, 8, bias=False, compact=True)
     layer.set_codes(torch.randint(-2, 2, layer.codes.shape, dtype=torch.int8), 2)
@@ -492,7 +492,7 @@ def test_compact_layer_holds_about_b_bits_per_weight():
 
 
 def test_an_unpacked_state_of_an_earlier_version_loads_packed():
-    from lowrank_lit.methods.glvq import GLVQLinear
+    from lowrank_lit.nn.glvq import GLVQLinear
 
     layer = _quantized_layer(True)
     old = {k: v for k, v in layer.state_dict().items() if k != "packed"}
@@ -506,7 +506,7 @@ def test_the_documented_reference_decoder_matches_ours(tmp_path):
     """docs/methods/glvq.md's numpy decoder (<= 50 lines) reads quantized.safetensors and gives our weights."""
     import re
 
-    from lowrank_lit.methods.glvq import save_quantized
+    from lowrank_lit.nn.glvq import save_quantized
     from tests.helpers import ROOT
 
     text = (ROOT / "docs" / "methods" / "glvq.md").read_text()
@@ -533,7 +533,7 @@ def test_the_documented_reference_decoder_matches_ours(tmp_path):
 def test_symmetric_codebook_with_a_diagonal_G_is_symmetric_scalar_rounding():
     """G = diag(s), 2 bits: the integer codebook has levels s * {-2, -1, 0, 1}; the symmetric one s * {-3/2, -1/2,
     1/2, 3/2}, each value going to its nearest level (ties aside)."""
-    from lowrank_lit.methods.glvq import _decode
+    from lowrank_lit.nn.glvq import _decode
 
     s = torch.tensor([0.5, 2.0], dtype=torch.float64)
     G = torch.diag(s)
@@ -560,7 +560,7 @@ def test_symmetric_codebook_lowers_the_scalar_lattice_error_on_gaussian_weights(
     """The measured reason for the option: on N(0, 1) weights with H = I, 2 bits, the best scalar lattice's relative
     error is 0.1207 symmetric against 0.1469 integer (seed 0, 256 x 32 weights; float64 throughout, so no CPU kernel
     moves these by more than rounding: 1e-3 is the width of one step of the 64-point scale grid, not a spread)."""
-    from lowrank_lit.methods.glvq import quantize_group
+    from lowrank_lit.nn.glvq import quantize_group
 
     W = torch.randn(256, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     H = torch.eye(32, dtype=torch.float64)
@@ -571,7 +571,7 @@ def test_symmetric_codebook_lowers_the_scalar_lattice_error_on_gaussian_weights(
 
 
 def test_a_symmetric_layer_round_trips_through_its_state_dict_and_an_old_state_reads_as_integer():
-    from lowrank_lit.methods.glvq import GLVQLinear, quantize_linear
+    from lowrank_lit.nn.glvq import GLVQLinear, quantize_linear
 
     torch.manual_seed(0)
     lin = nn.Linear(16, 8)

@@ -212,11 +212,11 @@ LOPE_CELLS = ("lope_noisy", "lope_nomask_noisy", "hydralora_noisy", "lora_noisy"
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """LoPE, its no-mask ablation, HydraLoRA and LoRA trained on the PEFT benchmark's noisy variant, seeds 0-2
-    (``$LOWRANK_PEFT_BENCH_RUNS`` reuses a sweep's)."""
-    from tests.helpers import peft_bench_runs
+    """LoPE, its no-mask ablation, HydraLoRA and LoRA trained on the PEFT suite's noisy variant, seeds 0-2
+    (``$LOWRANK_PEFT_SUITE_RUNS`` reuses a sweep's)."""
+    from tests.helpers import peft_suite_runs
 
-    return peft_bench_runs(LOPE_CELLS, tmp_path_factory.mktemp("peft_bench"))
+    return peft_suite_runs(LOPE_CELLS, tmp_path_factory.mktemp("peft_suite"))
 
 
 def _acc(bench: dict[str, list[dict[str, float]]], name: str) -> list[float]:
@@ -225,7 +225,7 @@ def _acc(bench: dict[str, list[dict[str, float]]], name: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "does not hold; PEFT benchmark noisy variant, seeds 0-2 (docs/peft_bench.md): LoPE (mask, K = all) 66.5 "
+    "does not hold; PEFT suite noisy variant, seeds 0-2 (docs/peft_suite.md): LoPE (mask, K = all) 66.5 "
     "(70.1 / 59.8 / 69.6) against HydraLoRA 91.2 (91.0 / 92.7 / 90.0): difference -24.7 points, 95 % interval "
     "[-42.3, -7.2]"))
 def test_must_show_lope_beats_hydralora(bench):
@@ -423,14 +423,14 @@ def test_logging_the_mechanism_leaves_the_training_run_unchanged(monkeypatch):
 @pytest.fixture(scope="module")
 def equal_steps(bench, tmp_path_factory):
     """LoPE with stage II on the baselines' 1,000 steps (stage I's 500 on top), seeds 0-2, beside ``bench``."""
-    from tests.helpers import peft_bench_runs
+    from tests.helpers import peft_suite_runs
 
-    return {**bench, **peft_bench_runs(("lope_noisy_stage2_full",), tmp_path_factory.mktemp("peft_bench_steps"))}
+    return {**bench, **peft_suite_runs(("lope_noisy_stage2_full",), tmp_path_factory.mktemp("peft_suite_steps"))}
 
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "does not hold; PEFT benchmark noisy variant, seeds 0-2, stage II on 1,000 steps (docs/methods/lope.md, Equal "
+    "does not hold; PEFT suite noisy variant, seeds 0-2, stage II on 1,000 steps (docs/methods/lope.md, Equal "
     "task steps): LoPE (mask, K = all) 74.6 (77.1 / 79.0 / 67.7) against HydraLoRA 91.2 (91.0 / 92.7 / 90.0): "
     "difference -16.6 points, 95 % interval [-28.8, -4.4]"))
 def test_must_show_lope_beats_hydralora_on_equal_stage2_steps(equal_steps):
@@ -459,7 +459,7 @@ def test_must_show_masking_the_poisoning_expert_helps_on_equal_stage2_steps(equa
 #: baselines' 1,000 steps: the config, and the measured outcome of "masking B_D > keeping it" (docs/methods/lope.md)
 STAGE1_FORMS = {
     "noisy_only": ("lope_noisy_noisyonly", (
-        "does not hold; PEFT benchmark noisy variant, seeds 0-2, stage I on the HyNoIse copies alone, stage II 1,000 "
+        "does not hold; PEFT suite noisy variant, seeds 0-2, stage I on the HyNoIse copies alone, stage II 1,000 "
         "steps: masked 75.7 (79.1 / 82.5 / 65.6) against unmasked 85.0 (87.7 / 89.6 / 77.7), difference -9.3 points, "
         "95 % interval [-15.8, -2.8]; B_D alone 72.3 % after stage I")),
     "shuffled": ("lope_noisy_shuffled", (
@@ -475,11 +475,11 @@ STAGE1_FORMS = {
 
 @pytest.fixture(scope="module")
 def stage1_forms(tmp_path_factory):
-    """The three stage-I forms over seeds 0-2 (``$LOWRANK_PEFT_BENCH_RUNS`` reuses a finished
-    ``lowrank sweep sweeps/peft_bench_lope_steps.yaml``)."""
-    from tests.helpers import peft_bench_runs
+    """The three stage-I forms over seeds 0-2 (``$LOWRANK_PEFT_SUITE_RUNS`` reuses a finished
+    ``lowrank sweep sweeps/peft_suite_lope_steps.yaml``)."""
+    from tests.helpers import peft_suite_runs
 
-    return peft_bench_runs(tuple(name for name, _ in STAGE1_FORMS.values()), tmp_path_factory.mktemp("stage1_forms"))
+    return peft_suite_runs(tuple(name for name, _ in STAGE1_FORMS.values()), tmp_path_factory.mktemp("stage1_forms"))
 
 
 @pytest.mark.slow

@@ -347,10 +347,10 @@ PTMOE_CELLS = ("ptmoe", "pt", "smop")
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """PT-MoE (N = 2), PT and SMoP on the PEFT benchmark, seeds 0-2 (``$LOWRANK_PEFT_BENCH_RUNS`` reuses a sweep's)."""
-    from tests.helpers import peft_bench_runs
+    """PT-MoE (N = 2), PT and SMoP on the PEFT suite, seeds 0-2 (``$LOWRANK_PEFT_SUITE_RUNS`` reuses a sweep's)."""
+    from tests.helpers import peft_suite_runs
 
-    return peft_bench_runs(PTMOE_CELLS, tmp_path_factory.mktemp("peft_bench"))
+    return peft_suite_runs(PTMOE_CELLS, tmp_path_factory.mktemp("peft_suite"))
 
 
 def _per_seed(runs: list[dict[str, float]], key: str = "test/acc") -> list[float]:
@@ -359,11 +359,11 @@ def _per_seed(runs: list[dict[str, float]], key: str = "test/acc") -> list[float
 
 @pytest.mark.slow
 def test_must_show_ptmoe_beats_pt_and_smop_with_fewer_parameters_than_smop(bench):
-    """The paper's claim on the PEFT benchmark (3 seeds): PT-MoE accuracy >= PT's and >= SMoP's, with fewer
+    """The paper's claim on the PEFT suite (3 seeds): PT-MoE accuracy >= PT's and >= SMoP's, with fewer
     trainable prompt parameters than SMoP (6,178 against 6,914: holds). The accuracies, judged by the verdict rule
     over seeds 0-2 (three of the budget's five) with delta = 1 point, are inconclusive: PT-MoE N = 2 72.7 (70.3 / 76.8 / 71.1), PT 72.1 (75.2 / 70.6 / 70.7), SMoP 71.9
     (75.2 / 71.0 / 69.5); against PT +0.6 points, 95 % interval [-13.2, +14.4]; against SMoP +0.8, [-12.6, +14.2]
-    (docs/peft_bench.md)."""
+    (docs/peft_suite.md)."""
     from lowrank_lit.stats import expect_verdict
 
     assert bench["ptmoe"][0]["params/prompt"] < bench["smop"][0]["params/prompt"]
