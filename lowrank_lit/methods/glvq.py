@@ -34,8 +34,13 @@ groups (salience ``sum_ij w_ij^2 ||X_j||^2``) get ``N+1`` bits, the ``k`` least 
 bits per weight plus one fp16 ``d x d`` matrix and one fp16 ``mu`` per group:
 ``sum_g (m * group_size * b_g) + groups * (d^2 + 1) * 16`` bits.
 
-Baselines in this module: per-group RTN (min-max uniform per row and column group) and the best scalar
-lattice (``G = s I``). Inferred choices (the paper leaves them open) are marked "inferred".
+Baselines: per-group RTN (min-max uniform per row and column group) and the best scalar lattice (``G = s I``).
+Inferred choices (the paper leaves them open) are marked "inferred".
+
+This file holds the paper's component, the :class:`GLVQ` callback, with the summary and the cost benchmark of its
+runs. The quantizer itself and :class:`~lowrank_lit.nn.glvq.GLVQLinear`, the layer that serves the codes, are in
+:mod:`lowrank_lit.nn.glvq` (the compress-adapt-merge study, :mod:`lowrank_lit.studies.compress_adapt_merge`, uses them
+too); the function names below refer to that module.
 """
 
 from __future__ import annotations

@@ -47,13 +47,11 @@ __all__ = [
     "check_codebook",
 ]
 
+#: the starting generation matrices of ``glvq`` (:func:`quantize_linear`'s ``init``)
 INITS = ("both", "cholesky", "scalar")
-
-
 #: the codebooks: name -> the half-step offset ``o`` of the decoded points ``G (z + o)``
 CODEBOOKS = {"integer": 0.0, "symmetric": 0.5}
-
-
+#: the quantizers: GLVQ, the best scalar lattice (``G = s I``), per-group RTN
 METHODS = ("glvq", "scalar", "rtn")
 
 
@@ -70,11 +68,13 @@ def mulaw_inv(v: torch.Tensor, mu: torch.Tensor | float) -> torch.Tensor:
 
 
 def check_codebook(codebook: str) -> None:
+    """Refuse a codebook that is not one of :data:`CODEBOOKS` (one line naming the argument and the allowed values)."""
     if codebook not in CODEBOOKS:
         raise ValueError(f"GLVQ: codebook={codebook!r}; allowed: {', '.join(CODEBOOKS)}")
 
 
 def check_bits(bits: int) -> None:
+    """Refuse a code width that is not an integer in [1, 8] (one line naming the argument and the allowed values)."""
     if not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"GLVQ: bits={bits!r}; allowed: an integer in [1, 8]")
 
