@@ -70,7 +70,7 @@ _OPTION_RE = re.compile(r"Option '([^']+)' is not accepted")
 _EXPECTED_RE = re.compile(r"Expected an? <class '([^']+)'>")
 _GOT_RE = re.compile(r"(?:Given|Got) value: (.*)$")
 _LITERAL_RE = re.compile(r"Expected an? typing\.Literal\[(.*?)\]")
-_UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)")
+_UNRECOGNIZED_RE = re.compile(r"unrecognized arguments: (\S+)", re.IGNORECASE)  # 4.47.0 writes "Unrecognized"
 _NOT_ACCEPTED_RE = re.compile(r"(?:Group '([^']+)' )?does not accept option '([^']+)'")
 _RESTRICTED_RE = re.compile(r"Not of type (\w+): (.+)$")
 _NESTED_RE = re.compile(r"NestedArg\(key='[^']*', val='(.*)'\)")

@@ -108,7 +108,7 @@ def main(slug: str, roots: list[str], *, out: str | None = None, include_debug: 
     ``lowrank summarize <slug> --help`` lists the method's own options too.
 
     Args:
-        slug: a method with a summary, or a study (peft_suite, prompt_runs, optimizer_bench)
+        slug: a method with a summary, or a study with one (peft_suite)
         roots: run directories, or folders holding them
         out: also write the figure to this file (PNG)
         include_debug: also use debug runs (fast_dev_run, overfit_batches, limit_train_batches), left out by default
