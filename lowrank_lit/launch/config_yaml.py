@@ -284,8 +284,9 @@ def experiment_from_configs(config_paths: Sequence[Any] | None) -> str:
     return paths[0].stem if paths else "default"
 
 
-#: the top-level keys of ``lowrank fit``, as its parser has them, for the checks that run without Lightning (a config file's keys, a sweep's keys): written by
-#: ``python -m lowrank_lit.launch.lightning_cli`` from the real parser (a unit test fails while it is stale)
+#: the top-level keys of ``lowrank fit``, as its parser has them, for the checks that run without Lightning (a
+#: sweep's keys): written by ``python -m lowrank_lit.launch.lightning_cli`` from the real parser (a unit test fails
+#: while it is stale)
 FIT_KEYS_FILE = Path(__file__).resolve().parent / "fit_keys.json"
 
 
