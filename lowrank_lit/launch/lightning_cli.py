@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -793,11 +794,15 @@ def command_experiment(args: Sequence[str]) -> str:
     """
     from jsonargparse import ArgumentError
 
-    parser = _parser_of(args[0])
-    try:
-        return experiment_of(parser.parse_args(list(args[1:])))
-    except ArgumentError as exc:
-        raise ConfigError(one_line_error(exc, parser)) from None
+    with _PARSING:  # the sweep's workers are threads sharing one parser
+        parser = _parser_of(args[0])
+        try:
+            return experiment_of(parser.parse_args(list(args[1:])))
+        except ArgumentError as exc:
+            raise ConfigError(one_line_error(exc, parser)) from None
+
+
+_PARSING = threading.Lock()
 
 
 @functools.cache
