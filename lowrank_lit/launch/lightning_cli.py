@@ -53,7 +53,7 @@ from lowrank_lit.registry import import_dotted
 from lowrank_lit.report import UNFINISHED_FILE
 
 __all__ = ["LowrankCLI", "RunStopped", "AlreadyFinished", "build_parser", "run_command", "experiment_of",
-           "command_experiment"]
+           "command_experiment", "parser_fit_keys"]
 
 CallbackT = TypeVar("CallbackT", bound=pl.Callback)
 
@@ -810,15 +810,19 @@ def _parser_of(subcommand: str) -> Any:
     return build_parser(subcommand)
 
 
+def parser_fit_keys() -> list[str]:
+    """The top-level keys of the real ``lowrank fit`` parser (``--config`` left out), sorted."""
+    return sorted({key.split(".")[0] for key in build_parser("fit").get_defaults().keys()} - {"config"})
+
+
 def write_fit_keys() -> Path:
-    """Write the top-level keys of the real ``lowrank fit`` parser to
-    :data:`~lowrank_lit.launch.config_yaml.FIT_KEYS_FILE` (what the sweep's static check reads without Lightning)."""
+    """Write :func:`parser_fit_keys` to :data:`~lowrank_lit.launch.config_yaml.FIT_KEYS_FILE` (what the sweep's
+    static check reads without Lightning)."""
     import json
 
     from lowrank_lit.launch.config_yaml import FIT_KEYS_FILE
 
-    keys = sorted({key.split(".")[0] for key in build_parser("fit").get_defaults().keys()} - {"config"})
-    FIT_KEYS_FILE.write_text(json.dumps(keys, indent=1) + "\n")
+    FIT_KEYS_FILE.write_text(json.dumps(parser_fit_keys(), indent=1) + "\n")
     return FIT_KEYS_FILE
 
 

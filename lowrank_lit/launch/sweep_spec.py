@@ -19,9 +19,9 @@ from lowrank_lit.launch.config_yaml import (
     merge_config_layers,
 )
 
-__all__ = ["optuna_storage", "METHODS", "GOALS", "DISTRIBUTIONS", "ARGS_MACRO", "CONFIG_KEY", "SweepError", "SweepSpec", "load_sweep",
-           "make_pruner", "format_value", "overrides_to_args",  "static_check", "check_keys",
-           "flag_clashes", "describe_param", "param_choices"]
+__all__ = ["METHODS", "GOALS", "DISTRIBUTIONS", "ARGS_MACRO", "CONFIG_KEY", "SweepError", "SweepSpec", "load_sweep",
+           "make_pruner", "format_value", "overrides_to_args", "static_check", "check_keys", "flag_clashes",
+           "describe_param", "param_choices", "optuna_storage"]
 
 METHODS = ("grid", "random", "bayes")
 
